@@ -1,0 +1,27 @@
+"""Packaging for torch_moe (pure Python).
+
+torch is required as ``torch>=2.13`` so that an existing installation is always kept: pip never
+replaces an installed torch that satisfies the range. On a machine without torch, install the
+build you want first (e.g. ``pip install torch==2.13.0`` for the CPU wheel), as the README does.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="torch_moe",
+    version="0.1.0",
+    description="Mixture-of-Experts operators, modules and parallelism for PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torch_moe", "torch_moe.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.13"],
+    extras_require={
+        "test": ["expecttest>=0.3", "hypothesis>=6.100", "pytest>=8"],
+        "triton": ["triton>=3.9"],
+        # optional comparison in benchmarks/ops.py; torchtitan pins its own torch, so install it
+        # only where that torch is the one you want
+        "bench": ["torchtitan==0.3.0"],
+    },
+    license="BSD-3-Clause",
+)

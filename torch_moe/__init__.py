@@ -1,0 +1,22 @@
+"""torch_moe: Mixture-of-Experts operators, modules and parallelism for PyTorch.
+
+Importing the package registers the ``torch.ops.torch_moe`` operator library: schemas
+(:mod:`torch_moe._ops`), fake kernels (:mod:`torch_moe._meta_registrations`), CPU kernels
+(:mod:`torch_moe._native`) and derivative formulas (:mod:`torch_moe._autograd`).
+"""
+
+from torch_moe import _ops  # noqa: F401  (defines the schemas first)
+from torch_moe import _meta_registrations  # noqa: F401
+from torch_moe import _native  # noqa: F401
+from torch_moe import _autograd  # noqa: F401
+from torch_moe._functional_ops import (
+    grouped_mm,
+    indexed_grouped_mm,
+    permute,
+    token_sort,
+    unpermute,
+)
+from torch_moe import nn  # noqa: F401
+
+__all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn"]
+__version__ = "0.1.0"

@@ -1,0 +1,241 @@
+"""Input checks shared by the fake and the device kernels of torch_moe ops.
+
+Everything here looks only at metadata (shape, dtype, device), so it runs unchanged under
+FakeTensor, ``torch.compile`` and DTensor. Checks that need tensor values (expert ids in range,
+monotonic offsets) live in the device kernels. Messages follow ``torch._check`` style: name the
+op, say what was expected and what was given.
+"""
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_float(op: str, name: str, t: torch.Tensor) -> None:
+    torch._check(
+        t.dtype in FLOAT_DTYPES,
+        lambda: f"{op}: expected {name} to be bfloat16, float16, float32 or float64, "
+        f"but got {t.dtype}",
+    )
+
+
+def check_index(op: str, name: str, t: torch.Tensor, dtypes=INDEX_DTYPES) -> None:
+    names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+    torch._check(
+        t.dtype in dtypes, lambda: f"{op}: expected {name} to be {names}, but got {t.dtype}"
+    )
+
+
+def check_dim(op: str, name: str, t: torch.Tensor, dim: int) -> None:
+    torch._check(
+        t.dim() == dim,
+        lambda: f"{op}: expected {name} to be {dim}-D, but got {t.dim()}-D tensor of shape "
+        f"{tuple(t.shape)}",
+    )
+
+
+def check_same_dtype(op: str, tensors: dict) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        torch._check(
+            t.dtype == first.dtype,
+            lambda: f"{op}: expected {name} to have the dtype of {first_name} ({first.dtype}), "
+            f"but got {t.dtype}",
+        )
+
+
+def check_same_device(op: str, tensors: dict) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        torch._check(
+            t.device == first.device,
+            lambda: f"{op}: expected all tensors on one device, but {first_name} is on "
+            f"{first.device} and {name} is on {t.device}",
+        )
+
+
+def check_size(op: str, name: str, t: torch.Tensor, dim: int, expected, what: str) -> None:
+    torch._check(
+        t.size(dim) == expected,
+        lambda: f"{op}: expected {name}.size({dim}) == {what} ({expected}), "
+        f"but got {t.size(dim)}",
+    )
+
+
+def check_offs(op: str, offs: torch.Tensor) -> None:
+    check_dim(op, "offs", offs, 1)
+    check_index(op, "offs", offs, (torch.int32,))
+
+
+def check_sorted_ids(op: str, sorted_ids: torch.Tensor) -> None:
+    check_dim(op, "sorted_ids", sorted_ids, 1)
+    check_index(op, "sorted_ids", sorted_ids, (torch.int64,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-op metadata checks. Each returns what the fake kernel needs to build its output.
+# ---------------------------------------------------------------------------------------------
+
+
+def check_token_sort(topk_ids: torch.Tensor, num_experts: int, align: int) -> None:
+    op = "torch_moe.token_sort"
+    check_dim(op, "topk_ids", topk_ids, 2)
+    check_index(op, "topk_ids", topk_ids)
+    torch._check(num_experts >= 1, lambda: f"{op}: expected num_experts >= 1, but got {num_experts}")
+    torch._check(align >= 1, lambda: f"{op}: expected align >= 1, but got {align}")
+    k = topk_ids.size(1)
+    torch._check(
+        k <= num_experts,
+        lambda: f"{op}: expected top-k ({k}) <= num_experts ({num_experts}): a token cannot "
+        "pick the same expert twice",
+    )
+
+
+def token_sort_num_slots(num_assignments, num_experts: int, align: int):
+    """Static length S of ``sorted_ids``: every group may need up to ``align - 1`` pad slots."""
+    return num_assignments + (num_experts * (align - 1) if align > 1 else 0)
+
+
+def check_permute(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int) -> None:
+    op = "torch_moe.permute"
+    check_dim(op, "x", x, 2)
+    check_sorted_ids(op, sorted_ids)
+    check_same_device(op, {"x": x, "sorted_ids": sorted_ids})
+    torch._check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
+
+
+def check_unpermute(y: torch.Tensor, sorted_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    op = "torch_moe.unpermute"
+    check_dim(op, "y", y, 2)
+    check_sorted_ids(op, sorted_ids)
+    check_dim(op, "topk_weights", topk_weights, 2)
+    check_float(op, "y", y)
+    check_float(op, "topk_weights", topk_weights)
+    check_same_device(op, {"y": y, "sorted_ids": sorted_ids, "topk_weights": topk_weights})
+    check_size(op, "y", y, 0, sorted_ids.size(0), "sorted_ids.size(0)")
+
+
+def check_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
+    op = "torch_moe.grouped_mm"
+    check_float(op, "self", a)
+    check_same_dtype(op, {"self": a, "mat2": b})
+    check_offs(op, offs)
+    check_same_device(op, {"self": a, "mat2": b, "offs": offs})
+    layout = (a.dim(), b.dim())
+    torch._check(
+        layout in ((2, 3), (3, 2), (2, 2)),
+        lambda: f"{op}: expected (self, mat2) to be 2-D x 3-D, 3-D x 2-D or 2-D x 2-D, but got "
+        f"{a.dim()}-D x {b.dim()}-D (use torch.bmm for 3-D x 3-D)",
+    )
+    torch._check(
+        a.size(-1) == b.size(-2),
+        lambda: f"{op}: contraction dims differ: self.size(-1) is {a.size(-1)}, "
+        f"mat2.size(-2) is {b.size(-2)}",
+    )
+    if layout == (2, 3):
+        check_size(op, "offs", offs, 0, b.size(0), "number of groups mat2.size(0)")
+    elif layout == (3, 2):
+        check_size(op, "offs", offs, 0, a.size(0), "number of groups self.size(0)")
+
+
+def grouped_mm_out_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
+    if a.dim() == 2 and b.dim() == 3:
+        return (a.size(0), b.size(2))
+    if a.dim() == 3 and b.dim() == 2:
+        return (a.size(1), b.size(1))
+    return (offs.size(0), a.size(0), b.size(1))
+
+
+def check_indexed_grouped_mm(
+    input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+):
+    """Returns the number of sorted slots S."""
+    op = "torch_moe.indexed_grouped_mm"
+    check_dim(op, "input", input, 2)
+    check_dim(op, "weight", weight, 3)
+    check_float(op, "input", input)
+    check_same_dtype(op, {"input": input, "weight": weight})
+    check_offs(op, offs)
+    check_same_device(
+        op,
+        {"input": input, "weight": weight, "offs": offs, "gather_index": gather_index,
+         "scatter_index": scatter_index, "scatter_weight": scatter_weight},
+    )
+    check_size(op, "offs", offs, 0, weight.size(0), "number of experts weight.size(0)")
+    check_size(op, "weight", weight, 1, input.size(1), "input.size(1)")
+    num_slots = input.size(0)
+    if gather_index is not None:
+        check_dim(op, "gather_index", gather_index, 1)
+        check_index(op, "gather_index", gather_index, (torch.int64,))
+        num_slots = gather_index.size(0)
+    if scatter_index is not None:
+        check_dim(op, "scatter_index", scatter_index, 1)
+        check_index(op, "scatter_index", scatter_index, (torch.int64,))
+        check_size(op, "scatter_index", scatter_index, 0, num_slots, "the number of sorted slots")
+        torch._check(
+            num_out_rows >= 0,
+            lambda: f"{op}: expected num_out_rows >= 0 when scatter_index is given, "
+            f"but got {num_out_rows}",
+        )
+    else:
+        torch._check(
+            num_out_rows == -1,
+            lambda: f"{op}: num_out_rows ({num_out_rows}) is only meaningful with scatter_index",
+        )
+    if scatter_weight is not None:
+        check_dim(op, "scatter_weight", scatter_weight, 1)
+        check_float(op, "scatter_weight", scatter_weight)
+        check_size(op, "scatter_weight", scatter_weight, 0, num_slots, "the number of sorted slots")
+    return num_slots
+
+
+GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
+ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu")
+
+
+def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation):
+    """Returns (E, F): the number of experts and the FFN dim."""
+    op = "torch_moe.grouped_ffn"
+    torch._check(
+        activation in ACTIVATIONS,
+        lambda: f"{op}: expected activation to be one of {ACTIVATIONS}, but got {activation!r}",
+    )
+    check_dim(op, "x", x, 2)
+    check_float(op, "x", x)
+    check_sorted_ids(op, sorted_ids)
+    check_offs(op, offs)
+    check_dim(op, "topk_weights", topk_weights, 2)
+    check_float(op, "topk_weights", topk_weights)
+    check_dim(op, "w1", w1, 3)
+    check_dim(op, "w2", w2, 3)
+    check_same_dtype(op, {"x": x, "w1": w1, "w2": w2, "w3": w3})
+    check_same_device(
+        op, {"x": x, "sorted_ids": sorted_ids, "offs": offs, "topk_weights": topk_weights,
+             "w1": w1, "w2": w2, "w3": w3},
+    )
+    D = x.size(1)
+    E = w1.size(0)
+    check_size(op, "topk_weights", topk_weights, 0, x.size(0), "the number of tokens x.size(0)")
+    check_size(op, "offs", offs, 0, E, "number of experts w1.size(0)")
+    check_size(op, "w1", w1, 1, D, "the model dim x.size(1)")
+    check_size(op, "w2", w2, 0, E, "number of experts w1.size(0)")
+    check_size(op, "w2", w2, 2, D, "the model dim x.size(1)")
+    F = w2.size(1)
+    gated = activation in GATED_ACTIVATIONS
+    if w3 is not None:
+        torch._check(gated, lambda: f"{op}: w3 is only used by gated activations, not {activation!r}")
+        check_dim(op, "w3", w3, 3)
+        torch._check(
+            w3.shape == w1.shape,
+            lambda: f"{op}: expected w3 to have the shape of w1 {tuple(w1.shape)}, "
+            f"but got {tuple(w3.shape)}",
+        )
+        check_size(op, "w1", w1, 2, F, "the FFN dim w2.size(1)")
+    elif gated:
+        check_size(op, "w1", w1, 2, 2 * F, "2 * w2.size(1) for a fused gate/up weight")
+    else:
+        check_size(op, "w1", w1, 2, F, "the FFN dim w2.size(1)")
+    return E, F

@@ -1,0 +1,114 @@
+"""Fake (meta) kernels for the torch_moe ops.
+
+Counterpart of ``torch/_meta_registrations.py``: each kernel checks metadata with the shared
+checks of :mod:`torch_moe._checks` and returns an empty tensor with the exact shape, dtype and
+strides of the device kernel's output. Every output size is static (a function of input sizes),
+so none of these ops needs an unbacked symbol or a host synchronisation under tracing.
+"""
+
+import torch
+
+from torch_moe import _checks
+
+
+def _register(name):
+    return torch.library.register_fake(f"torch_moe::{name}")
+
+
+@_register("token_sort")
+def token_sort_meta(topk_ids, num_experts, align=1):
+    _checks.check_token_sort(topk_ids, num_experts, align)
+    S = _checks.token_sort_num_slots(topk_ids.numel(), num_experts, align)
+    dev = topk_ids.device
+    return (
+        topk_ids.new_empty((S,), dtype=torch.int64),
+        torch.empty((num_experts,), dtype=torch.int32, device=dev),
+        torch.empty((num_experts,), dtype=torch.int64, device=dev),
+    )
+
+
+@_register("permute")
+def permute_meta(x, sorted_ids, top_k):
+    _checks.check_permute(x, sorted_ids, top_k)
+    return x.new_empty((sorted_ids.size(0), x.size(1)))
+
+
+@_register("permute.out")
+def permute_out_meta(x, sorted_ids, top_k, *, out):
+    _checks.check_permute(x, sorted_ids, top_k)
+    torch._check(
+        out.shape == (sorted_ids.size(0), x.size(1)) and out.dtype == x.dtype,
+        lambda: "torch_moe.permute.out: expected out of shape "
+        f"{(sorted_ids.size(0), x.size(1))} and dtype {x.dtype}, "
+        f"but got {tuple(out.shape)} and {out.dtype}",
+    )
+    return out
+
+
+@_register("permute_backward")
+def permute_backward_meta(grad, sorted_ids, top_k, num_tokens):
+    return grad.new_empty((num_tokens, grad.size(1)))
+
+
+@_register("unpermute")
+def unpermute_meta(y, sorted_ids, topk_weights):
+    _checks.check_unpermute(y, sorted_ids, topk_weights)
+    return y.new_empty((topk_weights.size(0), y.size(1)))
+
+
+@_register("unpermute_backward")
+def unpermute_backward_meta(grad, y, sorted_ids, topk_weights):
+    return torch.empty_like(y, memory_format=torch.contiguous_format), torch.empty_like(
+        topk_weights, memory_format=torch.contiguous_format
+    )
+
+
+@_register("grouped_mm")
+def grouped_mm_meta(a, b, offs):
+    _checks.check_grouped_mm(a, b, offs)
+    return a.new_empty(_checks.grouped_mm_out_shape(a, b, offs))
+
+
+@_register("indexed_grouped_mm")
+def indexed_grouped_mm_meta(
+    input, weight, offs, gather_index=None, scatter_index=None, scatter_weight=None,
+    num_out_rows=-1,
+):
+    S = _checks.check_indexed_grouped_mm(
+        input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+    )
+    rows = num_out_rows if scatter_index is not None else S
+    return input.new_empty((rows, weight.size(2)))
+
+
+@_register("indexed_grouped_mm_backward")
+def indexed_grouped_mm_backward_meta(
+    grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+):
+    grad_sw = (
+        input.new_empty((scatter_weight.size(0),), dtype=scatter_weight.dtype)
+        if scatter_weight is not None
+        else input.new_empty((0,))
+    )
+    return input.new_empty(input.shape), weight.new_empty(weight.shape), grad_sw
+
+
+@_register("grouped_ffn")
+def grouped_ffn_meta(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
+                     alpha=1.702, limit=7.0):
+    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+    width = 2 * F if activation in _checks.GATED_ACTIVATIONS else F
+    return x.new_empty(x.shape), x.new_empty((sorted_ids.size(0), width))
+
+
+@_register("grouped_ffn_backward")
+def grouped_ffn_backward_meta(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
+                              activation, alpha, limit):
+    grad_w3 = w3.new_empty(w3.shape) if w3 is not None else w1.new_empty((0,))
+    return (
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape),
+        w1.new_empty(w1.shape),
+        w2.new_empty(w2.shape),
+        grad_w3,
+    )

@@ -1,0 +1,40 @@
+"""Adapter for the private CPU feature probes of torch (``torch.ops.mkldnn._is_mkldnn_*``).
+
+The CPU kernels run GEMMs in the input dtype only where the CPU has native instructions for it.
+Without AVX512-BF16 / AMX (e.g. an AVX2-only CPU), ``torch.mm`` on bf16 or fp16 falls to a
+scalar path about a hundred times slower than fp32 GEMM; there the kernels convert operands to
+fp32, which is also what a native bf16 GEMM accumulates in, so results only get more accurate.
+"""
+
+import functools
+import os
+
+import torch
+
+__all__ = ["gemm_compute_dtype"]
+
+
+@functools.cache
+def _native_reduced_precision_gemm() -> frozenset:
+    forced = os.environ.get("TORCH_MOE_CPU_NATIVE_LOW_PRECISION_GEMM")
+    if forced is not None:
+        return frozenset((torch.bfloat16, torch.float16)) if forced == "1" else frozenset()
+    native = set()
+    if torch.backends.mkldnn.is_available():
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            native.add(torch.bfloat16)
+        if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            native.add(torch.float16)
+    return frozenset(native)
+
+
+def gemm_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a CPU GEMM on ``dtype`` operands is computed."""
+    if dtype in (torch.float32, torch.float64) or dtype in _native_reduced_precision_gemm():
+        return dtype
+    return torch.float32
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of sums across experts (combine, grad_x): never below fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

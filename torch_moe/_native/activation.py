@@ -1,0 +1,76 @@
+"""Expert activations, forward and backward, written for the fused CPU kernels.
+
+The gated activations read one pre-activation buffer ``h [n, 2F]`` whose first half is the gate
+``g = x @ w1`` and second half the up projection ``u = x @ w3``; the others read ``h [n, F]``.
+Backward recomputes from ``h`` (the only tensor saved), so no activation output is ever stored.
+
+    swiglu      silu(g) * u
+    geglu       gelu(g) * u                                   (exact, erf-based gelu)
+    swiglu_oai  (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'),  g' = clamp(g, max=L)  (gpt-oss)
+    gelu        gelu(h)
+    relu        relu(h)
+"""
+
+import torch
+import torch.nn.functional as F_
+
+from torch_moe._checks import GATED_ACTIVATIONS
+
+__all__ = ["activation_forward", "activation_backward"]
+
+
+def _split(h: torch.Tensor, gated: bool):
+    if not gated:
+        return h, None
+    f = h.size(1) // 2
+    return h[:, :f], h[:, f:]
+
+
+def activation_forward(kind: str, h: torch.Tensor, out: torch.Tensor, alpha: float, limit: float):
+    """Writes act(h) into ``out [n, F]`` and returns it."""
+    g, u = _split(h, kind in GATED_ACTIVATIONS)
+    if kind == "swiglu":
+        torch.mul(F_.silu(g), u, out=out)
+    elif kind == "geglu":
+        torch.mul(F_.gelu(g), u, out=out)
+    elif kind == "swiglu_oai":
+        gc = g.clamp(max=limit)
+        glu = torch.sigmoid(gc * alpha).mul_(gc)
+        torch.mul(u.clamp(-limit, limit).add_(1.0), glu, out=out)
+    elif kind == "gelu":
+        out.copy_(F_.gelu(g))
+    else:  # relu
+        torch.clamp(g, min=0, out=out)
+    return out
+
+
+def activation_backward(
+    kind: str, grad: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, alpha: float, limit: float
+):
+    """Writes d act / d h applied to ``grad [n, F]`` into ``grad_h`` (the shape of ``h``)."""
+    gated = kind in GATED_ACTIVATIONS
+    g, u = _split(h, gated)
+    dg, du = _split(grad_h, gated)
+    if kind == "swiglu":
+        s = torch.sigmoid(g)
+        silu = g * s
+        torch.mul(grad, silu, out=du)
+        # d silu / dg = s * (1 + g * (1 - s))
+        torch.mul(grad * u, s * (1 + g * (1 - s)), out=dg)
+    elif kind == "geglu":
+        torch.mul(grad, F_.gelu(g), out=du)
+        dg.copy_(torch.ops.aten.gelu_backward(grad * u, g))
+    elif kind == "swiglu_oai":
+        gc = g.clamp(max=limit)
+        s = torch.sigmoid(gc * alpha)
+        glu = gc * s
+        uc = u.clamp(-limit, limit)
+        # clamp passes the gradient where the input lies inside [min, max] (bounds included)
+        torch.mul(grad * glu, (u >= -limit) & (u <= limit), out=du)
+        dglu = s * (1 + alpha * gc * (1 - s))
+        torch.mul(grad * (uc + 1), dglu * (g <= limit), out=dg)
+    elif kind == "gelu":
+        dg.copy_(torch.ops.aten.gelu_backward(grad, g))
+    else:  # relu
+        torch.mul(grad, g > 0, out=dg)
+    return grad_h

@@ -1,0 +1,553 @@
+"""CPU kernels of the torch_moe ops: compositions of ATen ops chosen for speed on CPU.
+
+Rules every kernel here follows (see the CPU notes in RFC.md):
+- at most one GEMM per non-empty group and operand, no work at all for empty groups;
+- no intermediate of the size of the permuted tokens ``[S, D]`` in the fused paths: rows are
+  gathered and scattered per group through small buffers that stay in cache;
+- sums across experts (the combine, ``grad_x``) accumulate in fp32 and round once;
+- GEMMs on bf16 / fp16 run in fp32 where the CPU has no native instructions for them
+  (:mod:`torch_moe._native._cpu_features`).
+
+``offs`` is read on the host once per call (``tolist``). On CPU that is a plain memory read, not a
+device synchronisation; :func:`token_sort`, which produces ``offs``, needs no host read at all.
+"""
+
+import torch
+
+from torch_moe import _checks
+from torch_moe._native._cpu_features import accumulate_dtype, gemm_compute_dtype
+from torch_moe._native.activation import activation_backward, activation_forward
+
+__all__ = [
+    "token_sort",
+    "permute",
+    "permute_out",
+    "permute_backward",
+    "unpermute",
+    "unpermute_backward",
+    "grouped_mm",
+    "indexed_grouped_mm",
+    "indexed_grouped_mm_backward",
+    "grouped_ffn",
+    "grouped_ffn_backward",
+]
+
+# Rows per chunk for row-wise reductions, so temporaries stay small (well under the 32 MiB
+# where glibc switches to fresh, page-faulting mmaps).
+_ROW_CHUNK = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_bounds(op: str, offs: torch.Tensor, limit: int, what: str):
+    """Validates offs (cumulative group ends) and returns [(g, start, end)] of non-empty groups."""
+    ends = offs.tolist()
+    bounds = []
+    start = 0
+    for g, end in enumerate(ends):
+        torch._check(
+            end >= start,
+            lambda: f"{op}: expected offs to be non-decreasing and non-negative, but offs[{g}] = "
+            f"{end} < {'offs[' + str(g - 1) + '] = ' if g else ''}{start}",
+        )
+        if end > start:
+            bounds.append((g, start, end))
+        start = end
+    torch._check(
+        start <= limit,
+        lambda: f"{op}: expected offs[-1] <= {what} ({limit}), but got offs[-1] = {start}",
+    )
+    return bounds, start
+
+
+def _check_index_range(op: str, name: str, index: torch.Tensor, high: int, allow_pad: bool):
+    """Checks ``index`` values lie in [0, high) (or are -1 padding); returns whether -1 occurs."""
+    if index.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(index)
+    lo, hi = int(lo), int(hi)
+    low_ok = lo >= (-1 if allow_pad else 0)
+    torch._check(
+        low_ok and hi < high,
+        lambda: f"{op}: expected {name} values in [{-1 if allow_pad else 0}, {high})"
+        f"{' (-1 marks padding)' if allow_pad else ''}, but got values in [{lo}, {hi}]",
+    )
+    return lo < 0
+
+
+def _token_rows(op: str, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
+    """Token row of each sorted slot (0 for padding) and the padding mask (None if no padding)."""
+    has_pad = _check_index_range(op, "sorted_ids", sorted_ids, num_tokens * top_k, True)
+    rows = torch.div(sorted_ids, top_k, rounding_mode="floor")
+    if not has_pad:
+        return rows, None
+    pad = sorted_ids < 0
+    return rows.clamp_(min=0), pad
+
+
+def _inverse_slots(sorted_ids: torch.Tensor, num_assignments: int):
+    """slot[a] = i where sorted_ids[i] == a, and whether every assignment has a slot.
+
+    Assignments must appear at most once: with duplicates the inverse would be ambiguous.
+    """
+    valid = sorted_ids >= 0
+    ids = sorted_ids[valid] if not bool(valid.all()) else sorted_ids
+    positions = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
+    if ids.numel() != sorted_ids.numel():
+        positions = positions[valid]
+    if ids.numel():
+        most = int(torch.bincount(ids, minlength=num_assignments).max())
+        torch._check(
+            most <= 1,
+            lambda: "torch_moe.unpermute: expected each assignment t * k + j at most once in "
+            f"sorted_ids, but one appears {most} times",
+        )
+    slot = torch.full((num_assignments,), -1, dtype=torch.int64, device=sorted_ids.device)
+    slot[ids] = positions
+    return slot, ids.numel() == num_assignments
+
+
+def _gemm_operand(t: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == cdt else t.to(cdt)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> None:
+    if out.dtype == cdt:
+        torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt), out=out)
+    else:
+        out.copy_(torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt)))
+
+
+class _Buffers:
+    """Per-call scratch buffers, reused across groups so each group allocates nothing."""
+
+    def __init__(self, device):
+        self._device = device
+        self._flat = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        need = rows * cols
+        buf = self._flat.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != dtype:
+            buf = torch.empty(need, dtype=dtype, device=self._device)
+            self._flat[name] = buf
+        return buf[:need].view(rows, cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+
+def token_sort(topk_ids: torch.Tensor, num_experts: int, align: int = 1):
+    op = "torch_moe.token_sort"
+    _checks.check_token_sort(topk_ids, num_experts, align)
+    ids = topk_ids.reshape(-1).long()
+    n = ids.numel()
+    S = _checks.token_sort_num_slots(n, num_experts, align)
+    torch._check(S < 2**31, lambda: f"{op}: {S} sorted slots do not fit the int32 offs")
+    _check_index_range(op, "topk_ids", ids, num_experts, allow_pad=False)
+    counts = torch.bincount(ids, minlength=num_experts)
+    # A stable sort keeps, inside each expert, the order of t * k + j: deterministic and
+    # reproducible whatever the number of threads.
+    expert_sorted, order = torch.sort(ids, stable=True)
+    if align == 1:
+        return order, counts.cumsum(0).to(torch.int32), counts
+    padded = torch.div(counts + (align - 1), align, rounding_mode="floor").mul_(align)
+    ends = padded.cumsum(0)
+    # slot of the r-th assignment of expert e: padded_start[e] + r
+    shift = (ends - padded) - (counts.cumsum(0) - counts)
+    dest = torch.arange(n, device=ids.device).add_(shift[expert_sorted])
+    sorted_ids = torch.full((S,), -1, dtype=torch.int64, device=ids.device)
+    sorted_ids.scatter_(0, dest, order)
+    return sorted_ids, ends.to(torch.int32), counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Permute / unpermute
+# ---------------------------------------------------------------------------------------------
+
+
+def permute_out(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, *, out: torch.Tensor):
+    op = "torch_moe.permute"
+    _checks.check_permute(x, sorted_ids, top_k)
+    expected = (sorted_ids.size(0), x.size(1))
+    torch._check(
+        tuple(out.shape) == expected and out.dtype == x.dtype,
+        lambda: f"{op}.out: expected out of shape {expected} and dtype {x.dtype}, "
+        f"but got {tuple(out.shape)} and {out.dtype}",
+    )
+    rows, pad = _token_rows(op, sorted_ids, top_k, x.size(0))
+    torch.index_select(x, 0, rows, out=out)
+    if pad is not None:
+        out.masked_fill_(pad.unsqueeze(1), 0)
+    return out
+
+
+def permute(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int):
+    _checks.check_permute(x, sorted_ids, top_k)
+    out = x.new_empty((sorted_ids.size(0), x.size(1)))
+    return permute_out(x, sorted_ids, top_k, out=out)
+
+
+def _combine(y: torch.Tensor, slot_TK: torch.Tensor, weight_TK, complete: bool, out_dtype):
+    """out[t] = sum_j weight[t, j] * y[slot[t, j]]  (missing slots, -1, contribute nothing)."""
+    T, k = slot_TK.shape
+    acc = torch.zeros((T, y.size(1)), dtype=accumulate_dtype(y.dtype), device=y.device)
+    if weight_TK is None:
+        weight_TK = torch.ones((T, k), dtype=acc.dtype, device=y.device)
+    if not complete:
+        weight_TK = weight_TK * (slot_TK >= 0)
+        slot_TK = slot_TK.clamp(min=0)
+    rows = torch.empty((T, y.size(1)), dtype=y.dtype, device=y.device)
+    for j in range(k):
+        torch.index_select(y, 0, slot_TK[:, j], out=rows)
+        acc.addcmul_(rows, weight_TK[:, j : j + 1].to(acc.dtype))
+    return acc if acc.dtype == out_dtype else acc.to(out_dtype)
+
+
+def permute_backward(grad: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
+    op = "torch_moe.permute_backward"
+    _check_index_range(op, "sorted_ids", sorted_ids, num_tokens * top_k, True)
+    slot, complete = _inverse_slots(sorted_ids, num_tokens * top_k)
+    return _combine(grad, slot.view(num_tokens, top_k), None, complete, grad.dtype)
+
+
+def unpermute(y: torch.Tensor, sorted_ids: torch.Tensor, topk_weights: torch.Tensor):
+    op = "torch_moe.unpermute"
+    _checks.check_unpermute(y, sorted_ids, topk_weights)
+    T, k = topk_weights.shape
+    _check_index_range(op, "sorted_ids", sorted_ids, T * k, True)
+    slot, complete = _inverse_slots(sorted_ids, T * k)
+    return _combine(y, slot.view(T, k), topk_weights, complete, y.dtype)
+
+
+def _rowwise_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = <a[i], b[i]> in ``dtype``, chunked so no [S, D] temporary is made."""
+    out = torch.empty(a.size(0), dtype=dtype, device=a.device)
+    for s in range(0, a.size(0), _ROW_CHUNK):
+        e = min(s + _ROW_CHUNK, a.size(0))
+        torch.sum(a[s:e].to(dtype) * b[s:e].to(dtype), dim=1, out=out[s:e])
+    return out
+
+
+def unpermute_backward(grad, y, sorted_ids, topk_weights):
+    op = "torch_moe.unpermute_backward"
+    T, k = topk_weights.shape
+    rows, pad = _token_rows(op, sorted_ids, k, T)
+    grad_y = torch.index_select(grad, 0, rows)  # unweighted; [S, D]
+    acc = accumulate_dtype(y.dtype)
+    weight = topk_weights.reshape(-1)[sorted_ids.clamp(min=0)].to(acc)
+    dot = _rowwise_dot(grad_y, y, acc)
+    if pad is not None:
+        weight.masked_fill_(pad, 0)
+        dot.masked_fill_(pad, 0)
+    grad_y.mul_(weight.unsqueeze(1).to(grad_y.dtype))
+    grad_w = torch.zeros(T * k, dtype=topk_weights.dtype, device=y.device)
+    valid = sorted_ids >= 0
+    grad_w[sorted_ids[valid]] = dot[valid].to(topk_weights.dtype)
+    return grad_y, grad_w.view(T, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMM (layouts of aten::_grouped_mm)
+# ---------------------------------------------------------------------------------------------
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
+    op = "torch_moe.grouped_mm"
+    _checks.check_grouped_mm(a, b, offs)
+    cdt = gemm_compute_dtype(a.dtype)
+    if a.dim() == 2 and b.dim() == 3:
+        # rows of a split by offs; rows past offs[-1] are zero
+        out = a.new_empty((a.size(0), b.size(2)))
+        bounds, last = _group_bounds(op, offs, a.size(0), "self.size(0)")
+        for g, s, e in bounds:
+            _mm_into(out[s:e], a[s:e], b[g], cdt)
+        out[last:].zero_()
+    elif a.dim() == 3 and b.dim() == 2:
+        # columns of b split by offs; columns past offs[-1] are zero
+        out = a.new_empty((a.size(1), b.size(1)))
+        bounds, last = _group_bounds(op, offs, b.size(1), "mat2.size(1)")
+        for g, s, e in bounds:
+            _mm_into(out[:, s:e], a[g], b[:, s:e], cdt)
+        out[:, last:].zero_()
+    else:
+        # the contraction split by offs; an empty group gives a zero matrix
+        out = a.new_zeros((offs.size(0), a.size(0), b.size(1)))
+        bounds, _ = _group_bounds(op, offs, a.size(1), "self.size(1)")
+        for g, s, e in bounds:
+            _mm_into(out[g], a[:, s:e], b[s:e], cdt)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Index-aware grouped GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def _slot_rows(op, index, high, num_slots, device):
+    """(rows, pad mask or None) for an optional gather / scatter index."""
+    if index is None:
+        return None, None
+    has_pad = _check_index_range(op, "index", index, high, True)
+    if not has_pad:
+        return index, None
+    pad = index < 0
+    return index.clamp(min=0), pad
+
+
+def indexed_grouped_mm(
+    input, weight, offs, gather_index=None, scatter_index=None, scatter_weight=None,
+    num_out_rows=-1,
+):
+    op = "torch_moe.indexed_grouped_mm"
+    S = _checks.check_indexed_grouped_mm(
+        input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+    )
+    cdt = gemm_compute_dtype(input.dtype)
+    N = weight.size(2)
+    bounds, last = _group_bounds(op, offs, S, "the number of sorted slots")
+    g_rows, g_pad = _slot_rows(op, gather_index, input.size(0), S, input.device)
+    s_rows, s_pad = _slot_rows(op, scatter_index, max(num_out_rows, 0), S, input.device)
+    sw = None
+    if scatter_weight is not None:
+        sw = scatter_weight.to(cdt)
+    if s_pad is not None:
+        # a padded output slot contributes nothing
+        sw = (sw if sw is not None else torch.ones(S, dtype=cdt, device=input.device))
+        sw = sw.masked_fill(s_pad, 0)
+    bufs = _Buffers(input.device)
+    x_c = _gemm_operand(input, cdt) if gather_index is not None else input
+    if scatter_index is not None:
+        out_acc = torch.zeros((num_out_rows, N), dtype=accumulate_dtype(input.dtype),
+                              device=input.device)
+    else:
+        out = input.new_empty((S, N))
+        out[last:].zero_()
+    for g, s, e in bounds:
+        n = e - s
+        if gather_index is not None:
+            X = torch.index_select(x_c, 0, g_rows[s:e], out=bufs.get("x", n, input.size(1), cdt))
+            if g_pad is not None:
+                X.masked_fill_(g_pad[s:e].unsqueeze(1), 0)
+        else:
+            X = _gemm_operand(input[s:e], cdt)
+        V = torch.mm(X, _gemm_operand(weight[g], cdt), out=bufs.get("v", n, N, cdt))
+        if sw is not None:
+            V.mul_(sw[s:e].unsqueeze(1))
+        if scatter_index is not None:
+            out_acc.index_add_(0, s_rows[s:e], V if V.dtype == out_acc.dtype else V.to(out_acc.dtype))
+        else:
+            out[s:e].copy_(V)
+    if scatter_index is not None:
+        return out_acc if out_acc.dtype == input.dtype else out_acc.to(input.dtype)
+    return out
+
+
+def indexed_grouped_mm_backward(
+    grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+):
+    op = "torch_moe.indexed_grouped_mm_backward"
+    S = gather_index.size(0) if gather_index is not None else input.size(0)
+    cdt = gemm_compute_dtype(input.dtype)
+    acc = accumulate_dtype(input.dtype)
+    K = input.size(1)
+    N = weight.size(2)
+    bounds, _ = _group_bounds(op, offs, S, "the number of sorted slots")
+    g_rows, g_pad = _slot_rows(op, gather_index, input.size(0), S, input.device)
+    s_rows, s_pad = _slot_rows(op, scatter_index, grad.size(0), S, input.device)
+    sw = scatter_weight.to(cdt) if scatter_weight is not None else None
+    if s_pad is not None:
+        sw = (sw if sw is not None else torch.ones(S, dtype=cdt, device=input.device))
+        sw = sw.masked_fill(s_pad, 0)
+    bufs = _Buffers(input.device)
+    x_c = _gemm_operand(input, cdt) if gather_index is not None else None
+    grad_c = _gemm_operand(grad, cdt)
+    want_input, want_weight, want_sw = output_mask
+    if gather_index is not None:
+        grad_in_acc = torch.zeros(input.shape, dtype=acc, device=input.device)
+    else:
+        grad_in = torch.zeros_like(input, memory_format=torch.contiguous_format)
+    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    grad_sw = (
+        torch.zeros(S, dtype=acc, device=input.device) if scatter_weight is not None else None
+    )
+    for g, s, e in bounds:
+        n = e - s
+        # G: the output gradient of this group's rows (gathered once per group)
+        if scatter_index is not None:
+            G = torch.index_select(grad_c, 0, s_rows[s:e], out=bufs.get("g", n, N, cdt))
+        else:
+            G = grad_c[s:e]
+        # X: this group's input rows, built once and used by both grad_weight and grad_sw
+        if gather_index is not None:
+            X = torch.index_select(x_c, 0, g_rows[s:e], out=bufs.get("x", n, K, cdt))
+            if g_pad is not None:
+                X.masked_fill_(g_pad[s:e].unsqueeze(1), 0)
+        else:
+            X = _gemm_operand(input[s:e], cdt)
+        W = _gemm_operand(weight[g], cdt)
+        # U = G @ W^T is the unweighted input gradient; <U_i, X_i> is the weight's gradient.
+        if want_input or want_sw:
+            U = torch.mm(G, W.t(), out=bufs.get("u", n, K, cdt))
+            if grad_sw is not None:
+                grad_sw[s:e] = _rowwise_dot(U, X, acc)
+            if want_input:
+                if sw is not None:
+                    U.mul_(sw[s:e].unsqueeze(1))
+                if g_pad is not None:
+                    U.masked_fill_(g_pad[s:e].unsqueeze(1), 0)
+                if gather_index is not None:
+                    grad_in_acc.index_add_(0, g_rows[s:e], U if U.dtype == acc else U.to(acc))
+                else:
+                    grad_in[s:e].copy_(U)
+        if want_weight:
+            if sw is not None:
+                G = torch.mul(G, sw[s:e].unsqueeze(1), out=bufs.get("gw", n, N, cdt))
+            _mm_into(grad_weight[g], X.t(), G, cdt)
+    if gather_index is not None:
+        grad_in = grad_in_acc if grad_in_acc.dtype == input.dtype else grad_in_acc.to(input.dtype)
+    if grad_sw is None:
+        grad_sw = input.new_empty((0,))
+    elif s_pad is not None:
+        grad_sw.masked_fill_(s_pad, 0)
+    if grad_sw.numel():
+        grad_sw = grad_sw.to(scatter_weight.dtype)
+    return grad_in, grad_weight, grad_sw
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused expert FFN
+# ---------------------------------------------------------------------------------------------
+
+
+class _ExpertWeights:
+    """Per-expert views of w1 / w3 / w2 in the GEMM compute dtype.
+
+    Gated with separate w1, w3 the gate and up GEMMs write the two halves of one ``[n, 2F]``
+    buffer; with a fused ``w13 [E, D, 2F]`` it is a single GEMM.
+    """
+
+    def __init__(self, w1, w2, w3, cdt):
+        self.w1, self.w2, self.w3, self.cdt = w1, w2, w3, cdt
+
+    def up(self, g):
+        return _gemm_operand(self.w1[g], self.cdt), (
+            _gemm_operand(self.w3[g], self.cdt) if self.w3 is not None else None
+        )
+
+    def down(self, g):
+        return _gemm_operand(self.w2[g], self.cdt)
+
+
+def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
+    T, k = topk_weights.shape
+    S = sorted_ids.size(0)
+    bounds, last = _group_bounds(op, offs, S, "sorted_ids.size(0)")
+    rows, pad = _token_rows(op, sorted_ids, k, T)
+    cdt = gemm_compute_dtype(x.dtype)
+    # routing weight of each sorted slot, zero for padding
+    weight = topk_weights.reshape(-1)[sorted_ids.clamp(min=0)].to(cdt)
+    if pad is not None:
+        weight.masked_fill_(pad, 0)
+    return bounds, last, rows, pad, weight, cdt
+
+
+def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
+                alpha=1.702, limit=7.0):
+    op = "torch_moe.grouped_ffn"
+    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+    bounds, last, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
+    gated = activation in _checks.GATED_ACTIVATIONS
+    D = x.size(1)
+    H = 2 * F if gated else F
+    S = sorted_ids.size(0)
+    experts = _ExpertWeights(w1, w2, w3, cdt)
+    x_c = _gemm_operand(x, cdt)
+    hidden = x.new_empty((S, H))
+    hidden[last:].zero_()
+    out_acc = torch.zeros((x.size(0), D), dtype=accumulate_dtype(x.dtype), device=x.device)
+    bufs = _Buffers(x.device)
+    for g, s, e in bounds:
+        n = e - s
+        X = torch.index_select(x_c, 0, rows[s:e], out=bufs.get("x", n, D, cdt))
+        if pad is not None:
+            X.masked_fill_(pad[s:e].unsqueeze(1), 0)
+        h = hidden[s:e] if hidden.dtype == cdt else bufs.get("h", n, H, cdt)
+        w_up, w_up3 = experts.up(g)
+        if w_up3 is None:
+            torch.mm(X, w_up, out=h)
+        else:
+            torch.mm(X, w_up, out=h[:, :F])
+            torch.mm(X, w_up3, out=h[:, F:])
+        if h.dtype != hidden.dtype:
+            # store, then continue from the stored (rounded) values so that the backward
+            # recomputation sees exactly what the forward used
+            hidden[s:e].copy_(h)
+            h.copy_(hidden[s:e])
+        act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
+        o = torch.mm(act, experts.down(g), out=bufs.get("o", n, D, cdt))
+        o.mul_(weight[s:e].unsqueeze(1))
+        out_acc.index_add_(0, rows[s:e], o if o.dtype == out_acc.dtype else o.to(out_acc.dtype))
+    out = out_acc if out_acc.dtype == x.dtype else out_acc.to(x.dtype)
+    return out, hidden
+
+
+def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation,
+                         alpha, limit):
+    op = "torch_moe.grouped_ffn_backward"
+    bounds, _, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
+    gated = activation in _checks.GATED_ACTIVATIONS
+    T, D = x.shape
+    H = hidden.size(1)
+    F = H // 2 if gated else H
+    acc = accumulate_dtype(x.dtype)
+    experts = _ExpertWeights(w1, w2, w3, cdt)
+    x_c = _gemm_operand(x, cdt)
+    grad_c = _gemm_operand(grad, cdt)
+    grad_x = torch.zeros((T, D), dtype=acc, device=x.device)
+    grad_w1 = torch.zeros(w1.shape, dtype=w1.dtype, device=w1.device)
+    grad_w2 = torch.zeros(w2.shape, dtype=w2.dtype, device=w2.device)
+    grad_w3 = torch.zeros(w3.shape, dtype=w3.dtype, device=w3.device) if w3 is not None else None
+    grad_weight_sorted = torch.zeros(sorted_ids.size(0), dtype=acc, device=x.device)
+    bufs = _Buffers(x.device)
+    for g, s, e in bounds:
+        n = e - s
+        r = rows[s:e]
+        w = weight[s:e].unsqueeze(1)
+        G = torch.index_select(grad_c, 0, r, out=bufs.get("g", n, D, cdt))
+        h = _gemm_operand(hidden[s:e], cdt)
+        act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
+        w_down = experts.down(g)
+        # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
+        dA = torch.mm(G, w_down.t(), out=bufs.get("da", n, F, cdt))
+        grad_weight_sorted[s:e] = _rowwise_dot(dA, act, acc)
+        # d w2 = (w * act)^T @ G: scale the narrower operand
+        _mm_into(grad_w2[g], act.mul_(w).t(), G, cdt)
+        dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha, limit)
+        # padded slots have w = 0, so dH is zero on them and X needs no masking here
+        X = torch.index_select(x_c, 0, r, out=bufs.get("x", n, D, cdt))
+        w_up, w_up3 = experts.up(g)
+        dX = bufs.get("dx", n, D, cdt)
+        if w_up3 is None:
+            _mm_into(grad_w1[g], X.t(), dH, cdt)
+            torch.mm(dH, w_up.t(), out=dX)
+        else:
+            _mm_into(grad_w1[g], X.t(), dH[:, :F], cdt)
+            _mm_into(grad_w3[g], X.t(), dH[:, F:], cdt)
+            torch.mm(dH[:, :F], w_up.t(), out=dX)
+            dX.addmm_(dH[:, F:], w_up3.t())
+        grad_x.index_add_(0, r, dX if dX.dtype == acc else dX.to(acc))
+    if pad is not None:
+        grad_weight_sorted.masked_fill_(pad, 0)
+    grad_topk = torch.zeros(topk_weights.numel(), dtype=acc, device=x.device)
+    valid = sorted_ids >= 0
+    grad_topk[sorted_ids[valid]] = grad_weight_sorted[valid]
+    grad_topk = grad_topk.view(topk_weights.shape).to(topk_weights.dtype)
+    if grad_w3 is None:
+        grad_w3 = w1.new_empty((0,))
+    return grad_x.to(x.dtype), grad_topk, grad_w1, grad_w2, grad_w3
