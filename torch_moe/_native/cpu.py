@@ -114,11 +114,27 @@ def _gemm_operand(t: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return t if t.dtype == cdt else t.to(cdt)
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> None:
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype, scratch=None):
+    """out = a @ b computed in ``cdt``; ``scratch`` (an [M, N] ``cdt`` buffer) avoids a temporary."""
     if out.dtype == cdt:
         torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt), out=out)
     else:
-        out.copy_(torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt)))
+        out.copy_(torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt), out=scratch))
+
+
+def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
+    """A contiguous gradient for the [E, ...] weight ``w``; only experts without rows are zeroed.
+
+    Each expert with rows is fully written by its GEMM, so zero-filling it first would only add a
+    pass over memory that, for large weights, is freshly mapped and page-faults.
+    """
+    grad = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    used = torch.zeros(w.size(0), dtype=torch.bool)
+    for g, _, _ in bounds:
+        used[g] = True
+    if not bool(used.all()):
+        grad[~used.to(w.device)] = 0
+    return grad
 
 
 class _Buffers:
@@ -429,19 +445,25 @@ class _ExpertWeights:
     """Per-expert views of w1 / w3 / w2 in the GEMM compute dtype.
 
     Gated with separate w1, w3 the gate and up GEMMs write the two halves of one ``[n, 2F]``
-    buffer; with a fused ``w13 [E, D, 2F]`` it is a single GEMM.
+    buffer; with a fused ``w13 [E, D, 2F]`` it is a single GEMM. When the compute dtype differs
+    from the weights' (bf16 weights on a CPU without bf16 GEMM), each expert's weights are
+    converted into reused buffers rather than into a fresh copy of the whole weight.
     """
 
-    def __init__(self, w1, w2, w3, cdt):
-        self.w1, self.w2, self.w3, self.cdt = w1, w2, w3, cdt
+    def __init__(self, w1, w2, w3, cdt, bufs):
+        self.w1, self.w2, self.w3, self.cdt, self.bufs = w1, w2, w3, cdt, bufs
+
+    def _get(self, name, w):
+        if w.dtype == self.cdt:
+            return w
+        return self.bufs.get(name, w.size(0), w.size(1), self.cdt).copy_(w)
 
     def up(self, g):
-        return _gemm_operand(self.w1[g], self.cdt), (
-            _gemm_operand(self.w3[g], self.cdt) if self.w3 is not None else None
-        )
+        w3 = self._get("w3", self.w3[g]) if self.w3 is not None else None
+        return self._get("w1", self.w1[g]), w3
 
     def down(self, g):
-        return _gemm_operand(self.w2[g], self.cdt)
+        return self._get("w2", self.w2[g])
 
 
 def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
@@ -466,12 +488,12 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     D = x.size(1)
     H = 2 * F if gated else F
     S = sorted_ids.size(0)
-    experts = _ExpertWeights(w1, w2, w3, cdt)
+    bufs = _Buffers(x.device)
+    experts = _ExpertWeights(w1, w2, w3, cdt, bufs)
     x_c = _gemm_operand(x, cdt)
     hidden = x.new_empty((S, H))
     hidden[last:].zero_()
     out_acc = torch.zeros((x.size(0), D), dtype=accumulate_dtype(x.dtype), device=x.device)
-    bufs = _Buffers(x.device)
     for g, s, e in bounds:
         n = e - s
         X = torch.index_select(x_c, 0, rows[s:e], out=bufs.get("x", n, D, cdt))
@@ -506,15 +528,15 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
     H = hidden.size(1)
     F = H // 2 if gated else H
     acc = accumulate_dtype(x.dtype)
-    experts = _ExpertWeights(w1, w2, w3, cdt)
+    bufs = _Buffers(x.device)
+    experts = _ExpertWeights(w1, w2, w3, cdt, bufs)
     x_c = _gemm_operand(x, cdt)
     grad_c = _gemm_operand(grad, cdt)
     grad_x = torch.zeros((T, D), dtype=acc, device=x.device)
-    grad_w1 = torch.zeros(w1.shape, dtype=w1.dtype, device=w1.device)
-    grad_w2 = torch.zeros(w2.shape, dtype=w2.dtype, device=w2.device)
-    grad_w3 = torch.zeros(w3.shape, dtype=w3.dtype, device=w3.device) if w3 is not None else None
+    grad_w1 = _empty_grad_like(w1, bounds)
+    grad_w2 = _empty_grad_like(w2, bounds)
+    grad_w3 = _empty_grad_like(w3, bounds) if w3 is not None else None
     grad_weight_sorted = torch.zeros(sorted_ids.size(0), dtype=acc, device=x.device)
-    bufs = _Buffers(x.device)
     for g, s, e in bounds:
         n = e - s
         r = rows[s:e]
@@ -527,18 +549,18 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
         dA = torch.mm(G, w_down.t(), out=bufs.get("da", n, F, cdt))
         grad_weight_sorted[s:e] = _rowwise_dot(dA, act, acc)
         # d w2 = (w * act)^T @ G: scale the narrower operand
-        _mm_into(grad_w2[g], act.mul_(w).t(), G, cdt)
+        _mm_into(grad_w2[g], act.mul_(w).t(), G, cdt, bufs.get("dw2", F, D, cdt))
         dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha, limit)
         # padded slots have w = 0, so dH is zero on them and X needs no masking here
         X = torch.index_select(x_c, 0, r, out=bufs.get("x", n, D, cdt))
         w_up, w_up3 = experts.up(g)
         dX = bufs.get("dx", n, D, cdt)
         if w_up3 is None:
-            _mm_into(grad_w1[g], X.t(), dH, cdt)
+            _mm_into(grad_w1[g], X.t(), dH, cdt, bufs.get("dw1", D, H, cdt))
             torch.mm(dH, w_up.t(), out=dX)
         else:
-            _mm_into(grad_w1[g], X.t(), dH[:, :F], cdt)
-            _mm_into(grad_w3[g], X.t(), dH[:, F:], cdt)
+            _mm_into(grad_w1[g], X.t(), dH[:, :F], cdt, bufs.get("dw1", D, F, cdt))
+            _mm_into(grad_w3[g], X.t(), dH[:, F:], cdt, bufs.get("dw3", D, F, cdt))
             torch.mm(dH[:, :F], w_up.t(), out=dX)
             dX.addmm_(dH[:, F:], w_up3.t())
         grad_x.index_add_(0, r, dX if dX.dtype == acc else dX.to(acc))
