@@ -88,6 +88,16 @@ def _token_rows(op: str, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
     return rows.clamp_(min=0), pad
 
 
+def _slot_weights(topk_weights, sorted_ids, pad, dtype):
+    """Routing weight of each sorted slot in ``dtype``, zero for padded slots."""
+    if topk_weights.numel() == 0:
+        return torch.zeros(sorted_ids.size(0), dtype=dtype, device=sorted_ids.device)
+    weight = topk_weights.reshape(-1)[sorted_ids.clamp(min=0)].to(dtype)
+    if pad is not None:
+        weight.masked_fill_(pad, 0)
+    return weight
+
+
 def _inverse_slots(sorted_ids: torch.Tensor, num_assignments: int):
     """slot[a] = i where sorted_ids[i] == a, and whether every assignment has a slot.
 
@@ -197,7 +207,15 @@ def permute_out(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, *, out: t
         f"but got {tuple(out.shape)} and {out.dtype}",
     )
     rows, pad = _token_rows(op, sorted_ids, top_k, x.size(0))
-    torch.index_select(x, 0, rows, out=out)
+    return _gather_rows(x, rows, pad, out)
+
+
+def _gather_rows(src: torch.Tensor, rows: torch.Tensor, pad, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = src[rows[i]], zero where ``pad`` (rows of padded slots are clamped to 0)."""
+    if src.size(0) == 0:
+        # no tokens: every slot is padding
+        return out.zero_()
+    torch.index_select(src, 0, rows, out=out)
     if pad is not None:
         out.masked_fill_(pad.unsqueeze(1), 0)
     return out
@@ -254,12 +272,11 @@ def unpermute_backward(grad, y, sorted_ids, topk_weights):
     op = "torch_moe.unpermute_backward"
     T, k = topk_weights.shape
     rows, pad = _token_rows(op, sorted_ids, k, T)
-    grad_y = torch.index_select(grad, 0, rows)  # unweighted; [S, D]
+    grad_y = _gather_rows(grad, rows, pad, grad.new_empty((sorted_ids.size(0), grad.size(1))))
     acc = accumulate_dtype(y.dtype)
-    weight = topk_weights.reshape(-1)[sorted_ids.clamp(min=0)].to(acc)
+    weight = _slot_weights(topk_weights, sorted_ids, pad, acc)
     dot = _rowwise_dot(grad_y, y, acc)
     if pad is not None:
-        weight.masked_fill_(pad, 0)
         dot.masked_fill_(pad, 0)
     grad_y.mul_(weight.unsqueeze(1).to(grad_y.dtype))
     grad_w = torch.zeros(T * k, dtype=topk_weights.dtype, device=y.device)
@@ -472,10 +489,7 @@ def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
     bounds, last = _group_bounds(op, offs, S, "sorted_ids.size(0)")
     rows, pad = _token_rows(op, sorted_ids, k, T)
     cdt = gemm_compute_dtype(x.dtype)
-    # routing weight of each sorted slot, zero for padding
-    weight = topk_weights.reshape(-1)[sorted_ids.clamp(min=0)].to(cdt)
-    if pad is not None:
-        weight.masked_fill_(pad, 0)
+    weight = _slot_weights(topk_weights, sorted_ids, pad, cdt)
     return bounds, last, rows, pad, weight, cdt
 
 

@@ -38,7 +38,7 @@ def token_sort(topk_ids, num_experts, align=1):
 
 
 def permute(x, sorted_ids, top_k):
-    rows = [x[a // top_k] if a >= 0 else torch.zeros_like(x[0]) for a in sorted_ids.tolist()]
+    rows = [x[a // top_k] if a >= 0 else x.new_zeros(x.size(1)) for a in sorted_ids.tolist()]
     return torch.stack(rows) if rows else x.new_zeros((0, x.size(1)))
 
 
