@@ -9,7 +9,9 @@ Rules every kernel here follows (see the CPU notes in RFC.md):
   (:mod:`torch_moe._native._cpu_features`).
 
 ``offs`` is read on the host once per call (``tolist``). On CPU that is a plain memory read, not a
-device synchronisation; :func:`token_sort`, which produces ``offs``, needs no host read at all.
+device synchronisation. No output size depends on a value read on the host (every size is a
+function of input sizes); the CPU kernels read values only to validate them (expert ids in range,
+offs monotonic), which a CUDA kernel would do with device-side asserts instead.
 """
 
 import torch
@@ -98,7 +100,7 @@ def _slot_weights(topk_weights, sorted_ids, pad, dtype):
     return weight
 
 
-def _inverse_slots(sorted_ids: torch.Tensor, num_assignments: int):
+def _inverse_slots(op: str, sorted_ids: torch.Tensor, num_assignments: int):
     """slot[a] = i where sorted_ids[i] == a, and whether every assignment has a slot.
 
     Assignments must appear at most once: with duplicates the inverse would be ambiguous.
@@ -112,7 +114,7 @@ def _inverse_slots(sorted_ids: torch.Tensor, num_assignments: int):
         most = int(torch.bincount(ids, minlength=num_assignments).max())
         torch._check(
             most <= 1,
-            lambda: "torch_moe.unpermute: expected each assignment t * k + j at most once in "
+            lambda: f"{op}: expected each assignment t * k + j at most once in "
             f"sorted_ids, but one appears {most} times",
         )
     slot = torch.full((num_assignments,), -1, dtype=torch.int64, device=sorted_ids.device)
@@ -246,7 +248,7 @@ def _combine(y: torch.Tensor, slot_TK: torch.Tensor, weight_TK, complete: bool, 
 def permute_backward(grad: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
     op = "torch_moe.permute_backward"
     _check_index_range(op, "sorted_ids", sorted_ids, num_tokens * top_k, True)
-    slot, complete = _inverse_slots(sorted_ids, num_tokens * top_k)
+    slot, complete = _inverse_slots(op, sorted_ids, num_tokens * top_k)
     return _combine(grad, slot.view(num_tokens, top_k), None, complete, grad.dtype)
 
 
@@ -255,7 +257,7 @@ def unpermute(y: torch.Tensor, sorted_ids: torch.Tensor, topk_weights: torch.Ten
     _checks.check_unpermute(y, sorted_ids, topk_weights)
     T, k = topk_weights.shape
     _check_index_range(op, "sorted_ids", sorted_ids, T * k, True)
-    slot, complete = _inverse_slots(sorted_ids, T * k)
+    slot, complete = _inverse_slots(op, sorted_ids, T * k)
     return _combine(y, slot.view(T, k), topk_weights, complete, y.dtype)
 
 

@@ -50,19 +50,19 @@ def moe_ffn(
     over ``[T * k, F]`` against the ``[T * k, D] + 3 [T * k, F]`` a plain autograd composition
     keeps alive.
     """
-    torch._check(
-        activation in ACTIVATIONS,
-        lambda: f"moe_ffn: expected activation to be one of {ACTIVATIONS}, but got {activation!r}",
-    )
-    torch._check(
-        topk_ids.dim() == 2 and topk_weights.shape == topk_ids.shape,
-        lambda: "moe_ffn: expected topk_ids and topk_weights of the same shape [T, k], but got "
-        f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}",
-    )
-    torch._check(
-        w1.dim() == 3,
-        lambda: f"moe_ffn: expected w1 to be 3-D [E, D, F], but got shape {tuple(w1.shape)}",
-    )
+    # Plain raises rather than torch._check: Dynamo traces this wrapper, and a torch._check
+    # message closure that captures tensors would break the graph.
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"moe_ffn: expected activation to be one of {ACTIVATIONS}, but got {activation!r}"
+        )
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            "moe_ffn: expected topk_ids and topk_weights of the same shape [T, k], but got "
+            f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+        )
+    if w1.dim() != 3:
+        raise ValueError(f"moe_ffn: expected w1 to be 3-D [E, D, F], but got shape {tuple(w1.shape)}")
     sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(topk_ids, w1.size(0))
     out, _ = torch.ops.torch_moe.grouped_ffn(
         x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit
