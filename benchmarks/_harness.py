@@ -57,7 +57,10 @@ def environment_header() -> list[str]:
     """Lines describing what the numbers depend on: torch build, CPU, allocator."""
     malloc_vars = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
     allocators = _preloaded_allocators()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return [
+        f"load average (1 min) at start: {load:.2f} on {os.cpu_count()} CPUs; another busy "
+        "process distorts every number below",
         f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs",
         f"allocator: {', '.join(allocators) if allocators else 'glibc malloc (nothing preloaded)'}; "

@@ -485,6 +485,26 @@ class _ExpertWeights:
         return self._get("w2", self.w2[g])
 
 
+# A block is a run of consecutive non-empty groups holding at least this many sorted slots.
+# Elementwise work (gather, activation, routing weights, combine) runs once per block on its
+# rows, GEMMs once per group; so many small experts cost few kernel launches, while the block
+# buffers stay a few MiB (in cache, and far from glibc's page-faulting mmap threshold).
+_BLOCK_ROWS = 512
+
+
+def _blocks(bounds):
+    """Splits [(g, start, end)] into [(block_start, block_end, groups)]."""
+    blocks, groups = [], []
+    for g, s, e in bounds:
+        groups.append((g, s, e))
+        if e - groups[0][1] >= _BLOCK_ROWS:
+            blocks.append((groups[0][1], e, groups))
+            groups = []
+    if groups:
+        blocks.append((groups[0][1], groups[-1][2], groups))
+    return blocks
+
+
 def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
     T, k = topk_weights.shape
     S = sorted_ids.size(0)
@@ -510,27 +530,30 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     hidden = x.new_empty((S, H))
     hidden[last:].zero_()
     out_acc = torch.zeros((x.size(0), D), dtype=accumulate_dtype(x.dtype), device=x.device)
-    for g, s, e in bounds:
-        n = e - s
-        X = torch.index_select(x_c, 0, rows[s:e], out=bufs.get("x", n, D, cdt))
-        if pad is not None:
-            X.masked_fill_(pad[s:e].unsqueeze(1), 0)
-        h = hidden[s:e] if hidden.dtype == cdt else bufs.get("h", n, H, cdt)
-        w_up, w_up3 = experts.up(g)
-        if w_up3 is None:
-            torch.mm(X, w_up, out=h)
-        else:
-            torch.mm(X, w_up, out=h[:, :F])
-            torch.mm(X, w_up3, out=h[:, F:])
+    for bs, be, groups in _blocks(bounds):
+        n = be - bs
+        r = rows[bs:be]
+        X = _gather_rows(x_c, r, pad[bs:be] if pad is not None else None,
+                         bufs.get("x", n, D, cdt))
+        h = hidden[bs:be] if hidden.dtype == cdt else bufs.get("h", n, H, cdt)
+        for g, s, e in groups:
+            w_up, w_up3 = experts.up(g)
+            if w_up3 is None:
+                torch.mm(X[s - bs : e - bs], w_up, out=h[s - bs : e - bs])
+            else:
+                torch.mm(X[s - bs : e - bs], w_up, out=h[s - bs : e - bs, :F])
+                torch.mm(X[s - bs : e - bs], w_up3, out=h[s - bs : e - bs, F:])
         if h.dtype != hidden.dtype:
             # store, then continue from the stored (rounded) values so that the backward
             # recomputation sees exactly what the forward used
-            hidden[s:e].copy_(h)
-            h.copy_(hidden[s:e])
+            hidden[bs:be].copy_(h)
+            h.copy_(hidden[bs:be])
         act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
-        o = torch.mm(act, experts.down(g), out=bufs.get("o", n, D, cdt))
-        o.mul_(weight[s:e].unsqueeze(1))
-        out_acc.index_add_(0, rows[s:e], o if o.dtype == out_acc.dtype else o.to(out_acc.dtype))
+        o = bufs.get("o", n, D, cdt)
+        for g, s, e in groups:
+            torch.mm(act[s - bs : e - bs], experts.down(g), out=o[s - bs : e - bs])
+        o.mul_(weight[bs:be].unsqueeze(1))
+        out_acc.index_add_(0, r, o if o.dtype == out_acc.dtype else o.to(out_acc.dtype))
     out = out_acc if out_acc.dtype == x.dtype else out_acc.to(x.dtype)
     return out, hidden
 
@@ -553,32 +576,39 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
     grad_w2 = _empty_grad_like(w2, bounds)
     grad_w3 = _empty_grad_like(w3, bounds) if w3 is not None else None
     grad_weight_sorted = torch.zeros(sorted_ids.size(0), dtype=acc, device=x.device)
-    for g, s, e in bounds:
-        n = e - s
-        r = rows[s:e]
-        w = weight[s:e].unsqueeze(1)
+    for bs, be, groups in _blocks(bounds):
+        n = be - bs
+        r = rows[bs:be]
+        w = weight[bs:be].unsqueeze(1)
+        # padded slots have w = 0, so every gradient below is zero on them: no masking needed
         G = torch.index_select(grad_c, 0, r, out=bufs.get("g", n, D, cdt))
-        h = _gemm_operand(hidden[s:e], cdt)
+        h = _gemm_operand(hidden[bs:be], cdt)
         act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
-        w_down = experts.down(g)
         # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
-        dA = torch.mm(G, w_down.t(), out=bufs.get("da", n, F, cdt))
-        grad_weight_sorted[s:e] = _rowwise_dot(dA, act, acc)
+        dA = bufs.get("da", n, F, cdt)
+        for g, s, e in groups:
+            torch.mm(G[s - bs : e - bs], experts.down(g).t(), out=dA[s - bs : e - bs])
+        grad_weight_sorted[bs:be] = _rowwise_dot(dA, act, acc)
         # d w2 = (w * act)^T @ G: scale the narrower operand
-        _mm_into(grad_w2[g], act.mul_(w).t(), G, cdt, bufs.get("dw2", F, D, cdt))
-        dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha, limit)
-        # padded slots have w = 0, so dH is zero on them and X needs no masking here
+        act.mul_(w)
+        for g, s, e in groups:
+            _mm_into(grad_w2[g], act[s - bs : e - bs].t(), G[s - bs : e - bs], cdt,
+                     bufs.get("dw2", F, D, cdt))
+        dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha,
+                                 limit)
         X = torch.index_select(x_c, 0, r, out=bufs.get("x", n, D, cdt))
-        w_up, w_up3 = experts.up(g)
         dX = bufs.get("dx", n, D, cdt)
-        if w_up3 is None:
-            _mm_into(grad_w1[g], X.t(), dH, cdt, bufs.get("dw1", D, H, cdt))
-            torch.mm(dH, w_up.t(), out=dX)
-        else:
-            _mm_into(grad_w1[g], X.t(), dH[:, :F], cdt, bufs.get("dw1", D, F, cdt))
-            _mm_into(grad_w3[g], X.t(), dH[:, F:], cdt, bufs.get("dw3", D, F, cdt))
-            torch.mm(dH[:, :F], w_up.t(), out=dX)
-            dX.addmm_(dH[:, F:], w_up3.t())
+        for g, s, e in groups:
+            Xg, dHg, dXg = X[s - bs : e - bs], dH[s - bs : e - bs], dX[s - bs : e - bs]
+            w_up, w_up3 = experts.up(g)
+            if w_up3 is None:
+                _mm_into(grad_w1[g], Xg.t(), dHg, cdt, bufs.get("dw1", D, H, cdt))
+                torch.mm(dHg, w_up.t(), out=dXg)
+            else:
+                _mm_into(grad_w1[g], Xg.t(), dHg[:, :F], cdt, bufs.get("dw1", D, F, cdt))
+                _mm_into(grad_w3[g], Xg.t(), dHg[:, F:], cdt, bufs.get("dw3", D, F, cdt))
+                torch.mm(dHg[:, :F], w_up.t(), out=dXg)
+                dXg.addmm_(dHg[:, F:], w_up3.t())
         grad_x.index_add_(0, r, dX if dX.dtype == acc else dX.to(acc))
     if pad is not None:
         grad_weight_sorted.masked_fill_(pad, 0)
