@@ -111,6 +111,28 @@ class TestMoEFFN(TestCase):
             out.sum().backward()
         self.assertEqual((out.shape, w1.grad.shape), (torch.Size([1024, 64]), w1.shape))
 
+    @parametrize("activation", ["swiglu", "swiglu_oai", "gelu"])
+    @parametrize("fused", [False, True])
+    @parametrize("align", [1, 4])
+    def test_opcheck_grouped_ffn(self, activation, fused, align):
+        x, ids, w, w1, w2, w3 = make_layer(T=9, D=6, F=3, E=4, k=2)
+        gated = activation != "gelu"
+        if gated and fused:
+            w1, w3 = torch.cat([w1, w3], dim=2).detach().requires_grad_(), None
+        elif not gated:
+            w3 = None
+        sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(ids, 4, align)
+        torch.library.opcheck(
+            torch.ops.torch_moe.grouped_ffn.default,
+            (x, sorted_ids, offs, w, w1, w2, w3, activation, 1.702, 0.5),
+        )
+
+    def test_opcheck_permute_out(self):
+        x = torch.randn(5, 3)
+        sorted_ids, _, _ = torch.ops.torch_moe.token_sort(torch.randint(0, 3, (5, 1)), 3, 2)
+        out = torch.empty(sorted_ids.numel(), 3)
+        torch.library.opcheck(torch.ops.torch_moe.permute.out, (x, sorted_ids, 1), {"out": out})
+
     def test_compile_fullgraph_matches_eager(self):
         x, ids, w, w1, w2, w3 = make_layer()
         compiled = torch.compile(moe_ffn, fullgraph=True, backend="aot_eager")

@@ -38,7 +38,8 @@ def permute(x: Tensor, sorted_ids: Tensor, top_k: int, *, out: Optional[Tensor] 
     fresh (page-faulting) allocation for large token batches.
     """
     if out is not None:
-        return _ops.permute.out(x, sorted_ids, top_k, out=out)
+        _ops.permute.out(x, sorted_ids, top_k, out=out)
+        return out
     return _ops.permute(x, sorted_ids, top_k)
 
 

@@ -42,7 +42,6 @@ def permute_out_meta(x, sorted_ids, top_k, *, out):
         f"{(sorted_ids.size(0), x.size(1))} and dtype {x.dtype}, "
         f"but got {tuple(out.shape)} and {out.dtype}",
     )
-    return out
 
 
 @_register("permute_backward")

@@ -33,8 +33,10 @@ lib.define(
 #   permute:   x [T, D] -> [S, D],  out[i] = x[sorted_ids[i] // top_k] (zero row for padding)
 #   unpermute: y [S, D] -> [T, D],  out[t] = sum_j topk_weights[t, j] * y[slot of t * k + j]
 lib.define("permute(Tensor x, Tensor sorted_ids, int top_k) -> Tensor", tags=_PT2)
+# The out= form returns nothing: a custom op whose output aliases an input cannot be
+# functionalized, while a pure mutation is (auto_functionalized).
 lib.define(
-    "permute.out(Tensor x, Tensor sorted_ids, int top_k, *, Tensor(a!) out) -> Tensor(a!)",
+    "permute.out(Tensor x, Tensor sorted_ids, int top_k, *, Tensor(a!) out) -> ()",
     tags=_PT2,
 )
 lib.define("permute_backward(Tensor grad, Tensor sorted_ids, int top_k, SymInt num_tokens) -> Tensor", tags=_PT2)

@@ -10,7 +10,7 @@ from torch_moe._native import cpu
 _CPU_KERNELS = {
     "token_sort": cpu.token_sort,
     "permute": cpu.permute,
-    "permute.out": cpu.permute_out,
+    "permute.out": cpu.permute_out_,
     "permute_backward": cpu.permute_backward,
     "unpermute": cpu.unpermute,
     "unpermute_backward": cpu.unpermute_backward,

@@ -24,6 +24,7 @@ __all__ = [
     "token_sort",
     "permute",
     "permute_out",
+    "permute_out_",
     "permute_backward",
     "unpermute",
     "unpermute_backward",
@@ -221,6 +222,11 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor, pad, out: torch.Tensor) 
     if pad is not None:
         out.masked_fill_(pad.unsqueeze(1), 0)
     return out
+
+
+def permute_out_(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, *, out: torch.Tensor):
+    """The kernel of ``permute.out``, whose schema returns nothing."""
+    permute_out(x, sorted_ids, top_k, out=out)
 
 
 def permute(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int):
