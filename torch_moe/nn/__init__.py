@@ -1,5 +1,6 @@
 """Neural-network building blocks for Mixture-of-Experts (counterpart of ``torch.nn``)."""
 
 from torch_moe.nn import functional  # noqa: F401
+from torch_moe.nn.modules import GroupedExperts, MoE, MoEConfig, SharedExperts, TopKRouter
 
-__all__ = ["functional"]
+__all__ = ["functional", "MoEConfig", "TopKRouter", "GroupedExperts", "SharedExperts", "MoE"]

@@ -1,0 +1,369 @@
+"""The Mixture-of-Experts layer: ``MoE = TopKRouter + GroupedExperts (+ SharedExperts)``.
+
+Shape legend: B batch, L sequence length, T = B * L tokens, D model dim, F expert FFN dim,
+E experts, k experts per token.
+
+Weight layout (GEMM layout, ``x @ w``; an ``nn.Linear`` stores the transpose):
+
+    router.weight     [E, D]    logits = x @ router.weight^T      (nn.Linear layout)
+    router.expert_bias [E]      buffer, aux-loss-free balancing (selection only)
+    experts.w1        [E, D, F] gate projection
+    experts.w3        [E, D, F] up projection    (gated activations only)
+    experts.w2        [E, F, D] down projection
+    shared.w1/w3      [D, Fs], shared.w2 [Fs, D], shared.gate [1, D] (optional)
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn, Tensor
+
+from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
+from torch_moe.nn import functional as F_moe
+
+__all__ = ["MoEConfig", "TopKRouter", "GroupedExperts", "SharedExperts", "MoE"]
+
+
+@dataclass
+class MoEConfig:
+    """Configuration of an :class:`MoE` layer.
+
+    Attributes:
+        dim: model dim D.
+        hidden_dim: FFN dim F of each routed expert.
+        num_experts: number of routed experts E.
+        top_k: experts per token k.
+        score_func: ``"softmax"`` or ``"sigmoid"``; scores are computed in fp32 whatever the
+            input dtype.
+        topk_before_score: pick the top-k logits, then score those k (Mixtral, gpt-oss); else
+            score all experts, then pick the top-k scores (Qwen3-MoE, DeepSeek).
+        normalize_topk: renormalise the k routing weights to sum to one.
+        route_scale: multiply the routing weights by this (DeepSeek-V3: 2.5).
+        num_expert_groups: group-limited routing: E experts in this many equal groups (n).
+        topk_groups: tokens use experts of their best ``topk_groups`` groups only (m <= n).
+        load_balance_bias: keep an expert bias that changes which experts are picked, not the
+            weights (aux-loss-free balancing); :meth:`MoE.update_expert_bias` adjusts it.
+        bias_update_rate: step of the sign rule of :meth:`MoE.update_expert_bias`.
+        load_balance_coeff: weight of the Switch/GShard load-balancing loss (0 disables it).
+        seq_balance_coeff: weight of DeepSeek-V3's sequence-wise balance loss (0 disables it);
+            sequences are the rows of a ``[B, L, D]`` input.
+        z_loss_coeff: weight of the router z-loss (0 disables it).
+        capacity_factor: ``None`` is dropless; a number c caps each expert at
+            ``ceil(c * T * k / E)`` assignments and drops the lowest-weighted ones beyond.
+        num_shared_experts: shared (always-on) experts, fused into one FFN of width
+            ``num_shared_experts * (shared_hidden_dim or hidden_dim)``.
+        shared_hidden_dim: FFN dim of one shared expert (default: ``hidden_dim``).
+        shared_expert_gate: scale the shared output by ``sigmoid(x @ gate)`` (Qwen2-MoE).
+        activation: ``"swiglu"``, ``"geglu"``, ``"swiglu_oai"``, ``"gelu"`` or ``"relu"``.
+        swiglu_alpha, swiglu_limit: constants of ``"swiglu_oai"`` (gpt-oss: 1.702, 7.0).
+        router_bias: the router linear has a bias (gpt-oss).
+    """
+
+    dim: int
+    hidden_dim: int
+    num_experts: int
+    top_k: int
+    score_func: str = "softmax"
+    topk_before_score: bool = False
+    normalize_topk: bool = False
+    route_scale: float = 1.0
+    num_expert_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    load_balance_bias: bool = False
+    bias_update_rate: float = 1e-3
+    load_balance_coeff: float = 0.0
+    seq_balance_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: Optional[float] = None
+    num_shared_experts: int = 0
+    shared_hidden_dim: Optional[int] = None
+    shared_expert_gate: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_bias: bool = False
+
+    def __post_init__(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(f"MoEConfig: {msg}")
+
+        for name in ("dim", "hidden_dim", "num_experts", "top_k"):
+            need(getattr(self, name) >= 1, f"expected {name} >= 1, but got {getattr(self, name)}")
+        need(self.top_k <= self.num_experts,
+             f"expected top_k <= num_experts, but got top_k={self.top_k} > num_experts={self.num_experts}")
+        need(self.score_func in ("softmax", "sigmoid"),
+             f"expected score_func 'softmax' or 'sigmoid', but got {self.score_func!r}")
+        need(self.activation in ACTIVATIONS,
+             f"expected activation in {ACTIVATIONS}, but got {self.activation!r}")
+        if self.num_expert_groups is not None or self.topk_groups is not None:
+            n, m = self.num_expert_groups, self.topk_groups
+            need(n is not None and m is not None,
+                 "group-limited routing needs both num_expert_groups and topk_groups")
+            need(n >= 1 and self.num_experts % n == 0,
+                 f"expected num_expert_groups to divide num_experts ({self.num_experts}), but got {n}")
+            need(1 <= m <= n, f"expected 1 <= topk_groups <= num_expert_groups ({n}), but got {m}")
+            need(m * (self.num_experts // n) >= self.top_k,
+                 f"topk_groups={m} groups of {self.num_experts // n} experts hold fewer than "
+                 f"top_k={self.top_k} experts")
+            need(not self.topk_before_score, "group-limited routing needs topk_before_score=False")
+        if self.load_balance_bias:
+            need(not self.topk_before_score, "load_balance_bias needs topk_before_score=False")
+        if self.capacity_factor is not None:
+            need(self.capacity_factor > 0,
+                 f"expected capacity_factor > 0 (or None for dropless), but got {self.capacity_factor}")
+        for name in ("load_balance_coeff", "seq_balance_coeff", "z_loss_coeff", "bias_update_rate"):
+            need(getattr(self, name) >= 0, f"expected {name} >= 0, but got {getattr(self, name)}")
+        need(self.num_shared_experts >= 0,
+             f"expected num_shared_experts >= 0, but got {self.num_shared_experts}")
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+
+class TopKRouter(nn.Module):
+    """Scores tokens against experts and picks ``top_k`` of them per token (fp32 throughout)."""
+
+    def __init__(self, config: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(config.num_experts, device=device, dtype=dtype))
+                     if config.router_bias else None)
+        # persistent: the bias is learned state (DeepSeek-V3's e_score_correction_bias)
+        self.register_buffer(
+            "expert_bias",
+            torch.zeros(config.num_experts, device=device, dtype=torch.float32)
+            if config.load_balance_bias else None,
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    def logits(self, x_TD: Tensor) -> Tensor:
+        logits = x_TD.float() @ self.weight.float().t()
+        if self.bias is not None:
+            logits = logits + self.bias.float()
+        return logits
+
+    def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Returns ``(topk_ids [T, k], topk_weights [T, k] fp32, scores [T, E], logits [T, E])``."""
+        c = self.config
+        logits = self.logits(x_TD)
+        topk_ids, topk_weights, scores = F_moe.route(
+            logits, c.top_k, score_func=c.score_func, topk_before_score=c.topk_before_score,
+            expert_bias=self.expert_bias, num_groups=c.num_expert_groups,
+            topk_groups=c.topk_groups, normalize=c.normalize_topk, scale=c.route_scale,
+        )
+        return topk_ids, topk_weights, scores, logits
+
+
+def _init_expert_weight(w: Tensor, fan_in: int) -> None:
+    bound = 1.0 / math.sqrt(fan_in)  # nn.Linear's default, per expert
+    nn.init.uniform_(w, -bound, bound)
+
+
+class GroupedExperts(nn.Module):
+    """E expert FFNs as stacked weights, computed by :func:`torch_moe.nn.functional.moe_ffn`.
+
+    The GEMMs run in the parameters' dtype (fp32 parameters compute in fp32); tokens are cast
+    to it.
+    """
+
+    def __init__(self, config: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        E, D, F = config.num_experts, config.dim, config.hidden_dim
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(E, D, F, **kw))
+        self.w2 = nn.Parameter(torch.empty(E, F, D, **kw))
+        self.w3 = nn.Parameter(torch.empty(E, D, F, **kw)) if config.gated else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_expert_weight(self.w1, self.config.dim)
+        _init_expert_weight(self.w2, self.config.hidden_dim)
+        if self.w3 is not None:
+            _init_expert_weight(self.w3, self.config.dim)
+
+    def forward(self, x_TD, sorted_ids, offs, topk_weights) -> Tensor:
+        c = self.config
+        out, _ = torch.ops.torch_moe.grouped_ffn(
+            x_TD.to(self.w1.dtype), sorted_ids, offs, topk_weights, self.w1, self.w2, self.w3,
+            c.activation, c.swiglu_alpha, c.swiglu_limit,
+        )
+        return out
+
+
+class SharedExperts(nn.Module):
+    """Always-on experts: one dense FFN of width ``num_shared_experts * shared_hidden_dim``,
+    optionally scaled per token by ``sigmoid(x @ gate)``."""
+
+    def __init__(self, config: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        D = config.dim
+        Fs = config.num_shared_experts * (config.shared_hidden_dim or config.hidden_dim)
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(D, Fs, **kw))
+        self.w2 = nn.Parameter(torch.empty(Fs, D, **kw))
+        self.w3 = nn.Parameter(torch.empty(D, Fs, **kw)) if config.gated else None
+        self.gate = nn.Parameter(torch.empty(1, D, **kw)) if config.shared_expert_gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_expert_weight(self.w1, self.w1.size(0))
+        _init_expert_weight(self.w2, self.w2.size(0))
+        if self.w3 is not None:
+            _init_expert_weight(self.w3, self.w3.size(0))
+        if self.gate is not None:
+            _init_expert_weight(self.gate, self.gate.size(1))
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        c = self.config
+        x_TD = x_TD.to(self.w1.dtype)
+        up = x_TD @ self.w3 if self.w3 is not None else None
+        y = F_moe.activation(c.activation, x_TD @ self.w1, up, alpha=c.swiglu_alpha,
+                             limit=c.swiglu_limit) @ self.w2
+        if self.gate is not None:
+            y = y * torch.sigmoid(x_TD @ self.gate.t())
+        return y
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Returns ``y`` unchanged; in backward, gives ``aux_loss`` the gradient ``scale``.
+
+    This adds an auxiliary loss to the training objective without returning it: the loss's
+    gradient flows whenever ``y``'s does, once per micro-batch, which is what gradient
+    accumulation needs, and nothing escapes the graph, which is what ``torch.compile`` needs.
+    """
+
+    @staticmethod
+    def forward(ctx, y, aux_loss, scale):
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
+        return grad_y, grad_aux, None
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts FFN block that can stand in for the MoE blocks of Mixtral,
+    Qwen3-MoE, DeepSeek-V3, gpt-oss and torchtitan.
+
+    ``forward(x)`` takes ``[B, L, D]`` or ``[T, D]`` and returns the same shape. Auxiliary losses
+    (with non-zero coefficients) are attached to the output's backward: they need not be
+    returned or added to the loss. Their last values are in :attr:`aux_losses` (detached, for
+    logging). Set :attr:`aux_loss_scale` to ``1 / num_microbatches`` when the training loss is
+    divided that way.
+
+    Buffers: ``tokens_per_expert [E]`` (fp32) accumulates the routed assignments of every
+    training forward since the last :meth:`update_expert_bias` or :meth:`reset_load_stats`;
+    ``num_dropped`` counts assignments dropped by the capacity limit.
+    """
+
+    def __init__(self, config: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.router = TopKRouter(config, device=device, dtype=dtype)
+        self.experts = GroupedExperts(config, device=device, dtype=dtype)
+        self.shared_experts = (SharedExperts(config, device=device, dtype=dtype)
+                               if config.num_shared_experts > 0 else None)
+        self.register_buffer("tokens_per_expert",
+                             torch.zeros(config.num_experts, device=device, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("num_dropped", torch.zeros((), device=device, dtype=torch.int64),
+                             persistent=False)
+        self.aux_loss_scale = 1.0
+        self.aux_losses: dict = {}
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        c = self.config
+        if c.capacity_factor is None:
+            return None
+        return math.ceil(c.capacity_factor * num_tokens * c.top_k / c.num_experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = self.config
+        if x.dim() not in (2, 3) or x.size(-1) != c.dim:
+            raise ValueError(f"MoE: expected input [B, L, {c.dim}] or [T, {c.dim}], but got "
+                             f"{tuple(x.shape)}")
+        seq_len = x.size(1) if x.dim() == 3 else x.size(0)
+        x_TD = x.reshape(-1, c.dim)
+        T = x_TD.size(0)
+        topk_ids, topk_weights, scores, logits = self.router(x_TD)
+        capacity = self.capacity(T)
+        if capacity is None:
+            sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(topk_ids, c.num_experts)
+            dropped = None
+        else:
+            sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
+                topk_ids, topk_weights, c.num_experts, capacity)
+        y = self.experts(x_TD, sorted_ids, offs, topk_weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_TD)
+        y = y.to(x.dtype)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.float())
+                if dropped is not None:
+                    self.num_dropped.add_(dropped)
+            y = self._attach_aux_losses(y, scores, topk_ids, logits, seq_len)
+        return y.view(x.shape)
+
+    def _attach_aux_losses(self, y, scores, topk_ids, logits, seq_len):
+        c = self.config
+        losses = {}
+        if c.load_balance_coeff > 0:
+            losses["load_balance"] = (c.load_balance_coeff,
+                                      F_moe.load_balancing_loss(scores, topk_ids, c.num_experts))
+        if c.seq_balance_coeff > 0:
+            losses["seq_balance"] = (c.seq_balance_coeff, F_moe.sequence_balance_loss(
+                scores, topk_ids, c.num_experts, seq_len))
+        if c.z_loss_coeff > 0:
+            losses["z_loss"] = (c.z_loss_coeff, F_moe.router_z_loss(logits))
+        self.aux_losses = {name: loss.detach() for name, (_, loss) in losses.items()}
+        if not losses:
+            return y
+        total = sum(coeff * loss for coeff, loss in losses.values())
+        return _AttachAuxLoss.apply(y, total, self.aux_loss_scale)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> Tensor:
+        """Aux-loss-free balancing step; call it before ``optimizer.step()``.
+
+        With ``c_e`` the assignments of expert e since the last call (``tokens_per_expert``)
+        and ``mean`` their average, ``expert_bias[e] += rate * sign(mean - c_e)``: overloaded
+        experts become less likely to be picked, underloaded ones more. The bias is then
+        centred (its mean does not affect selection) and the counts reset. Returns the counts
+        the step used. Under data parallelism all-reduce ``tokens_per_expert`` first.
+        """
+        if self.router.expert_bias is None:
+            raise RuntimeError("MoE.update_expert_bias: the layer was built with load_balance_bias=False")
+        load = self.tokens_per_expert.clone()
+        self.router.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.config.bias_update_rate)
+        self.router.expert_bias.sub_(self.router.expert_bias.mean())
+        self.reset_load_stats()
+        return load
+
+    @torch.no_grad()
+    def reset_load_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.num_dropped.zero_()
