@@ -16,6 +16,8 @@ __all__ = [
     "indexed_grouped_mm",
     "activation",
     "moe_ffn",
+    "route",
+    "moe_layer",
 ]
 
 
@@ -137,3 +139,97 @@ def moe_ffn(x, topk_ids, topk_weights, w1, w2, w3=None, *, activation_kind="swig
             y = y + topk_weights[t, j].to(x.dtype) * (a @ w2[e])
         out.append(y)
     return torch.stack(out) if out else x.new_zeros((0, x.size(1)))
+
+
+def route(logits_TE, config, expert_bias=None):
+    """Per-token routing of an ``MoEConfig``; returns ([[expert ids]], [[weights]]) lists.
+
+    Ties go to the lowest expert id: candidates are ordered by (-value, id).
+    """
+    import math
+
+    c = config
+    E, k = c.num_experts, c.top_k
+    ids_out, weights_out = [], []
+    for logits in logits_TE.double().tolist():
+        def score(values):
+            if c.score_func == "sigmoid":
+                return [1 / (1 + math.exp(-v)) for v in values]
+            m = max(values)
+            ex = [math.exp(v - m) for v in values]
+            return [v / sum(ex) for v in ex]
+
+        if c.topk_before_score:
+            chosen = sorted(range(E), key=lambda e: (-logits[e], e))[:k]
+            weights = score([logits[e] for e in chosen])
+        else:
+            s = score(logits)
+            sel = [s[e] + (expert_bias[e] if expert_bias is not None else 0.0) for e in range(E)]
+            allowed = set(range(E))
+            if c.num_expert_groups:
+                size = E // c.num_expert_groups
+                group_score = [
+                    sum(sorted(sel[g * size:(g + 1) * size], reverse=True)[: min(2, size)])
+                    for g in range(c.num_expert_groups)
+                ]
+                top = sorted(range(c.num_expert_groups), key=lambda g: (-group_score[g], g))
+                allowed = {e for g in top[: c.topk_groups] for e in range(g * size, (g + 1) * size)}
+            chosen = sorted(allowed, key=lambda e: (-sel[e], e))[:k]
+            weights = [s[e] for e in chosen]
+        if c.normalize_topk:
+            total = sum(weights) + 1e-20
+            weights = [w / total for w in weights]
+        ids_out.append(chosen)
+        weights_out.append([w * c.route_scale for w in weights])
+    return ids_out, weights_out
+
+
+def moe_layer(x_TD, moe):
+    """Per-token reference of ``torch_moe.nn.MoE`` (eval semantics), in fp64.
+
+    Routing, capacity dropping (per expert, keep the ``capacity`` highest weights, earlier
+    assignment first on ties), each selected expert's FFN on the single token row, shared
+    experts and their gate.
+    """
+    import math
+
+    c = moe.config
+    x = x_TD.double()
+    router = moe.router
+    # the router computes its logits in fp32 (whatever the parameter dtype); so does this
+    logits = x_TD.float() @ router.weight.float().t()
+    if router.bias is not None:
+        logits = logits + router.bias.float()
+    bias = router.expert_bias.tolist() if router.expert_bias is not None else None
+    ids, weights = route(logits, c, bias)
+    keep = {(t, j) for t in range(len(ids)) for j in range(c.top_k)}
+    if c.capacity_factor is not None:
+        capacity = math.ceil(c.capacity_factor * len(ids) * c.top_k / c.num_experts)
+        for e in range(c.num_experts):
+            members = [(t, j) for t in range(len(ids)) for j in range(c.top_k) if ids[t][j] == e]
+            members.sort(key=lambda tj: (-weights[tj[0]][tj[1]], tj[0] * c.top_k + tj[1]))
+            for tj in members[capacity:]:
+                keep.discard(tj)
+    ex = moe.experts
+    w1, w2 = ex.w1.double(), ex.w2.double()
+    w3 = ex.w3.double() if ex.w3 is not None else None
+    rows = []
+    for t in range(x.size(0)):
+        y = x.new_zeros(x.size(1))
+        for j in range(c.top_k):
+            if (t, j) not in keep:
+                continue
+            e = ids[t][j]
+            up = x[t] @ w3[e] if w3 is not None else None
+            a = activation(c.activation, x[t] @ w1[e], up, c.swiglu_alpha, c.swiglu_limit)
+            y = y + weights[t][j] * (a @ w2[e])
+        if moe.shared_experts is not None:
+            sh = moe.shared_experts
+            up = x[t] @ sh.w3.double() if sh.w3 is not None else None
+            s = activation(c.activation, x[t] @ sh.w1.double(), up, c.swiglu_alpha,
+                           c.swiglu_limit) @ sh.w2.double()
+            if sh.gate is not None:
+                s = s * torch.sigmoid(x[t] @ sh.gate.double()[0])
+            y = y + s
+        rows.append(y)
+    return torch.stack(rows) if rows else x.new_zeros((0, x.size(1)))

@@ -1,6 +1,7 @@
 """Neural-network building blocks for Mixture-of-Experts (counterpart of ``torch.nn``)."""
 
 from torch_moe.nn import functional  # noqa: F401
+from torch_moe.nn.convert import hf_moe_state_dict, load_hf_moe_state_dict  # noqa: F401
 from torch_moe.nn.modules import GroupedExperts, MoE, MoEConfig, SharedExperts, TopKRouter
 
 __all__ = ["functional", "MoEConfig", "TopKRouter", "GroupedExperts", "SharedExperts", "MoE"]
