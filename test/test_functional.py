@@ -7,7 +7,9 @@ from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.testing._internal.common_utils import (
+    DeterministicGuard,
     TestCase,
     instantiate_parametrized_tests,
     parametrize,
@@ -132,6 +134,42 @@ class TestMoEFFN(TestCase):
         sorted_ids, _, _ = torch.ops.torch_moe.token_sort(torch.randint(0, 3, (5, 1)), 3, 2)
         out = torch.empty(sorted_ids.numel(), 3)
         torch.library.opcheck(torch.ops.torch_moe.permute.out, (x, sorted_ids, 1), {"out": out})
+
+    def test_bitwise_across_thread_counts(self):
+        # per-expert GEMMs and fp32 accumulation in a fixed order: the thread count does not
+        # change a single bit
+        x, ids, w, w1, w2, w3 = make_layer(T=64, D=32, F=16, E=8, k=2, dtype=torch.bfloat16)
+        runs = []
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, threads):
+                torch.set_num_threads(n)
+                out = moe_ffn(x, ids, w, w1, w2, w3)
+                runs.append((out, *torch.autograd.grad(out, (x, w, w1, w2, w3), torch.ones_like(out))))
+        finally:
+            torch.set_num_threads(threads)
+        for a, b in zip(*runs):
+            self.assertTrue(torch.equal(a, b))
+
+    def test_deterministic_algorithms_mode(self):
+        x, ids, w, w1, w2, w3 = make_layer()
+        with DeterministicGuard(True):
+            moe_ffn(x, ids, w, w1, w2, w3).sum().backward()
+        self.assertIsNotNone(w1.grad)
+
+    def test_compile_dynamic_no_recompile(self):
+        # the token count varies from call to call; one dynamic graph serves them all
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(moe_ffn, fullgraph=True, dynamic=True, backend=counter)
+        frames = []
+        for T in (16, 24, 40):
+            x, ids, w, w1, w2, w3 = make_layer(T=T)
+            out = compiled(x, ids, w, w1, w2, w3)
+            self.assertEqual(out, moe_ffn(x, ids, w, w1, w2, w3))
+            out.sum().backward()
+            frames.append(counter.frame_count)
+        self.assertEqual(frames[1:], frames[:1] * 2)
 
     def test_compile_fullgraph_matches_eager(self):
         x, ids, w, w1, w2, w3 = make_layer()
