@@ -16,7 +16,7 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-import torch_moe
+import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
 from torch_moe import _refs
 from torch_moe._native import _cpu_features
 from torch_moe.nn.functional import moe_ffn

@@ -6,7 +6,6 @@ is the reference gradient. Never used by the library itself.
 """
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
     "token_sort",
@@ -104,18 +103,12 @@ def indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_index=Non
 
 
 def activation(kind, g, u=None, alpha=1.702, limit=7.0):
-    if kind == "swiglu":
-        return F.silu(g) * u
-    if kind == "geglu":
-        return F.gelu(g) * u
-    if kind == "swiglu_oai":
-        g = g.clamp(max=limit)
-        return (u.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
-    if kind == "gelu":
-        return F.gelu(g)
-    if kind == "relu":
-        return F.relu(g)
-    raise ValueError(kind)
+    """The plain autograd composition of each expert activation (shared with the library's
+    dense path, :func:`torch_moe.nn.functional.activation`); the fused kernels' hand-written
+    backward formulas are tested against autograd through it."""
+    from torch_moe.nn.functional import activation as plain_activation
+
+    return plain_activation(kind, g, u, alpha=alpha, limit=limit)
 
 
 def moe_ffn(x, topk_ids, topk_weights, w1, w2, w3=None, *, activation_kind="swiglu",
