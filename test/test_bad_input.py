@@ -174,7 +174,7 @@ class TestBadInput(TestCase):
         self.assertExpectedInline(
             self.message(torch_moe.indexed_grouped_mm, torch.randn(3, 4), torch.randn(2, 4, 5),
                          i32(2, 4), gather_index=torch.tensor([0, 1, 3, 2])),
-            """torch_moe.indexed_grouped_mm: expected index values in [-1, 3) (-1 marks padding), but got values in [0, 3]""",
+            """torch_moe.indexed_grouped_mm: expected gather_index values in [-1, 3) (-1 marks padding), but got values in [0, 3]""",
         )
 
     def test_indexed_scatter_without_rows(self):

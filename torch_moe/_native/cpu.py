@@ -142,11 +142,10 @@ def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
     pass over memory that, for large weights, is freshly mapped and page-faults.
     """
     grad = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    used = torch.zeros(w.size(0), dtype=torch.bool)
-    for g, _, _ in bounds:
-        used[g] = True
-    if not bool(used.all()):
-        grad[~used.to(w.device)] = 0
+    if len(bounds) < w.size(0):
+        unused = torch.ones(w.size(0), dtype=torch.bool)
+        unused[[g for g, _, _ in bounds]] = False
+        grad[unused.to(w.device)] = 0
     return grad
 
 
@@ -330,11 +329,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 
 
-def _slot_rows(op, index, high, num_slots, device):
+def _slot_rows(op, name, index, high):
     """(rows, pad mask or None) for an optional gather / scatter index."""
     if index is None:
         return None, None
-    has_pad = _check_index_range(op, "index", index, high, True)
+    has_pad = _check_index_range(op, name, index, high, True)
     if not has_pad:
         return index, None
     pad = index < 0
@@ -352,8 +351,8 @@ def indexed_grouped_mm(
     cdt = gemm_compute_dtype(input.dtype)
     N = weight.size(2)
     bounds, last = _group_bounds(op, offs, S, "the number of sorted slots")
-    g_rows, g_pad = _slot_rows(op, gather_index, input.size(0), S, input.device)
-    s_rows, s_pad = _slot_rows(op, scatter_index, max(num_out_rows, 0), S, input.device)
+    g_rows, g_pad = _slot_rows(op, "gather_index", gather_index, input.size(0))
+    s_rows, s_pad = _slot_rows(op, "scatter_index", scatter_index, max(num_out_rows, 0))
     sw = None
     if scatter_weight is not None:
         sw = scatter_weight.to(cdt)
@@ -399,8 +398,8 @@ def indexed_grouped_mm_backward(
     K = input.size(1)
     N = weight.size(2)
     bounds, _ = _group_bounds(op, offs, S, "the number of sorted slots")
-    g_rows, g_pad = _slot_rows(op, gather_index, input.size(0), S, input.device)
-    s_rows, s_pad = _slot_rows(op, scatter_index, grad.size(0), S, input.device)
+    g_rows, g_pad = _slot_rows(op, "gather_index", gather_index, input.size(0))
+    s_rows, s_pad = _slot_rows(op, "scatter_index", scatter_index, grad.size(0))
     sw = scatter_weight.to(cdt) if scatter_weight is not None else None
     if s_pad is not None:
         sw = (sw if sw is not None else torch.ones(S, dtype=cdt, device=input.device))
@@ -413,7 +412,8 @@ def indexed_grouped_mm_backward(
         grad_in_acc = torch.zeros(input.shape, dtype=acc, device=input.device)
     else:
         grad_in = torch.zeros_like(input, memory_format=torch.contiguous_format)
-    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    # unrequested outputs are zeros, never uninitialised memory
+    grad_weight = _empty_grad_like(weight, bounds if want_weight else [])
     grad_sw = (
         torch.zeros(S, dtype=acc, device=input.device) if scatter_weight is not None else None
     )
