@@ -21,7 +21,8 @@ setup(
         "triton": ["triton>=3.9"],
         # optional comparison in benchmarks/ops.py; torchtitan pins its own torch, so install it
         # only where that torch is the one you want
-        "bench": ["torchtitan==0.3.0"],
+        # torchtitan 0.3.0 imports triton at import time
+        "bench": ["torchtitan==0.3.0", "triton>=3.9"],
     },
     license="BSD-3-Clause",
 )

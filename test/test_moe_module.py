@@ -170,6 +170,7 @@ class TestBalancing(TestCase):
         stream = [torch.randn(64, 8) + 0.5 for _ in range(200)]
 
         def imbalance(load):
+            load = load.float()
             return (load.max() / load.mean()).item()
 
         moe(stream[0])
@@ -187,6 +188,13 @@ class TestBalancing(TestCase):
     def test_update_without_bias_raises(self):
         with self.assertRaisesRegex(RuntimeError, "load_balance_bias=False"):
             _moe().update_expert_bias()
+
+    def test_bf16_module_keeps_exact_stats_and_fp32_bias(self):
+        moe = _moe(dtype=torch.float32, load_balance_bias=True).to(torch.bfloat16)
+        self.assertEqual((moe.router.expert_bias.dtype, moe.tokens_per_expert.dtype),
+                         (torch.float32, torch.int64))
+        moe(torch.randn(1000, 8, dtype=torch.bfloat16))
+        self.assertEqual(moe.tokens_per_expert.sum().item(), 2000)
 
     def test_load_stats_count_training_assignments(self):
         moe = _moe(num_experts=4, top_k=2)

@@ -141,6 +141,15 @@ class TopKRouter(nn.Module):
         )
         self.reset_parameters()
 
+    def _apply(self, fn, recurse=True):
+        # ``module.to(torch.bfloat16)`` must not round the expert bias: its updates (1e-3 by
+        # default) would vanish in bf16. It follows the module's device, never its dtype.
+        expert_bias = self.expert_bias
+        module = super()._apply(fn, recurse)
+        if expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = expert_bias.to(self.expert_bias.device)
+        return module
+
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
@@ -228,13 +237,22 @@ class SharedExperts(nn.Module):
             _init_expert_weight(self.gate, self.gate.size(1))
 
     def forward(self, x_TD: Tensor) -> Tensor:
+        # One expert that every token visits with weight 1: the fused expert kernel gives the
+        # shared FFN the same memory-efficient backward and the same CPU compute path (fp32
+        # GEMMs for bf16 on CPUs without bf16 instructions) as the routed experts.
         c = self.config
         x_TD = x_TD.to(self.w1.dtype)
-        up = x_TD @ self.w3 if self.w3 is not None else None
-        y = F_moe.activation(c.activation, x_TD @ self.w1, up, alpha=c.swiglu_alpha,
-                             limit=c.swiglu_limit) @ self.w2
+        T = x_TD.size(0)
+        slots = torch.arange(T, device=x_TD.device)
+        offs = torch.full((1,), T, dtype=torch.int32, device=x_TD.device)
+        ones = torch.ones(T, 1, dtype=torch.float32, device=x_TD.device)
+        w3 = self.w3.unsqueeze(0) if self.w3 is not None else None
+        y, _ = torch.ops.torch_moe.grouped_ffn(
+            x_TD, slots, offs, ones, self.w1.unsqueeze(0), self.w2.unsqueeze(0), w3,
+            c.activation, c.swiglu_alpha, c.swiglu_limit,
+        )
         if self.gate is not None:
-            y = y * torch.sigmoid(x_TD @ self.gate.t())
+            y = y * torch.sigmoid(x_TD.float() @ self.gate.float().t()).to(y.dtype)
         return y
 
 
@@ -268,7 +286,7 @@ class MoE(nn.Module):
     logging). Set :attr:`aux_loss_scale` to ``1 / num_microbatches`` when the training loss is
     divided that way.
 
-    Buffers: ``tokens_per_expert [E]`` (fp32) accumulates the routed assignments of every
+    Buffers: ``tokens_per_expert [E]`` (int64) accumulates the routed assignments of every
     training forward since the last :meth:`update_expert_bias` or :meth:`reset_load_stats`;
     ``num_dropped`` counts assignments dropped by the capacity limit.
     """
@@ -280,8 +298,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config, device=device, dtype=dtype)
         self.shared_experts = (SharedExperts(config, device=device, dtype=dtype)
                                if config.num_shared_experts > 0 else None)
+        # int64 so that ``module.to(dtype)`` leaves the counts exact
         self.register_buffer("tokens_per_expert",
-                             torch.zeros(config.num_experts, device=device, dtype=torch.float32),
+                             torch.zeros(config.num_experts, device=device, dtype=torch.int64),
                              persistent=False)
         self.register_buffer("num_dropped", torch.zeros((), device=device, dtype=torch.int64),
                              persistent=False)
@@ -322,7 +341,7 @@ class MoE(nn.Module):
         y = y.to(x.dtype)
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert.add_(counts.float())
+                self.tokens_per_expert.add_(counts)
                 if dropped is not None:
                     self.num_dropped.add_(dropped)
             y = self._attach_aux_losses(y, scores, topk_ids, logits, seq_len)
@@ -358,7 +377,8 @@ class MoE(nn.Module):
         if self.router.expert_bias is None:
             raise RuntimeError("MoE.update_expert_bias: the layer was built with load_balance_bias=False")
         load = self.tokens_per_expert.clone()
-        self.router.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.config.bias_update_rate)
+        loadf = load.float()
+        self.router.expert_bias.add_(torch.sign(loadf.mean() - loadf), alpha=self.config.bias_update_rate)
         self.router.expert_bias.sub_(self.router.expert_bias.mean())
         self.reset_load_stats()
         return load

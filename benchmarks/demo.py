@@ -1,0 +1,308 @@
+"""torch_moe in two minutes: train a small MoE language model, then benchmark the MoE layer.
+
+The model is a pre-norm decoder: token embedding, causal self-attention
+(``F.scaled_dot_product_attention``) and a :class:`torch_moe.nn.MoE` feed-forward block per
+layer, a final RMSNorm and an LM head tied to the embedding. It learns a synthetic language:
+sequences drawn from a fixed random sparse Markov chain, whose entropy rate is the best loss
+any model can reach.
+
+It is trained twice from the same initialisation on the same batches:
+
+* ``bias on``:  ``MoEConfig(load_balance_bias=True)``, with ``moe.update_expert_bias()``
+  called for every MoE layer before each ``optimizer.step()`` (DeepSeek-V3's
+  auxiliary-loss-free balancing: the bias changes which experts are picked, not the weights);
+* ``bias off``: the plain router, no auxiliary loss.
+
+The log shows the loss, the throughput and how evenly the experts are loaded; the summary
+compares the two runs. The demo ends with the layer benchmark on one shape
+(``benchmarks/moe_layer.py --quick``).
+
+    python benchmarks/demo.py
+    python benchmarks/demo.py --steps 100 --no-benchmark    # a shorter run
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn, Tensor
+
+from torch_moe.nn import MoE, MoEConfig
+
+
+# --------------------------------------------------------------------------
+# Data: a fixed random sparse Markov chain
+# --------------------------------------------------------------------------
+
+
+def make_markov_chain(vocab: int, successors: int, seed: int) -> Tensor:
+    """Transition matrix [V, V]: each token has ``successors`` possible next tokens, with
+    random probabilities. Token t's successors are drawn near t + 1 (mod V) half the time,
+    so that the chain is irreducible and the embedding has neighbourhoods to learn."""
+    g = torch.Generator().manual_seed(seed)
+    P_VV = torch.zeros(vocab, vocab)
+    for t in range(vocab):
+        nxt = torch.randperm(vocab, generator=g)[:successors]
+        nxt[0] = (t + 1) % vocab  # a path through every token keeps the chain irreducible
+        P_VV[t, nxt] = torch.rand(successors, generator=g) + 0.1
+    return P_VV / P_VV.sum(dim=1, keepdim=True)
+
+
+def entropy_rate(P_VV: Tensor) -> float:
+    """Nats per token of the stationary chain: the loss floor of a perfect model."""
+    pi_V = torch.full((P_VV.size(0),), 1.0 / P_VV.size(0), dtype=torch.float64)
+    P = P_VV.double()
+    for _ in range(1000):
+        pi_V = pi_V @ P
+    plogp_V = torch.where(P > 0, P * P.log(), torch.zeros_like(P)).sum(dim=1)
+    return -(pi_V * plogp_V).sum().item()
+
+
+def sample_sequences(P_VV: Tensor, num: int, length: int, seed: int) -> Tensor:
+    """``num`` sequences of ``length`` tokens [num, length], each from a random start."""
+    g = torch.Generator().manual_seed(seed)
+    tokens_NL = torch.empty(num, length, dtype=torch.long)
+    tokens_NL[:, 0] = torch.randint(P_VV.size(0), (num,), generator=g)
+    for i in range(1, length):
+        tokens_NL[:, i] = torch.multinomial(P_VV[tokens_NL[:, i - 1]], 1, generator=g).squeeze(1)
+    return tokens_NL
+
+
+# --------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x_BLD: Tensor) -> Tensor:
+        B, L, D = x_BLD.shape
+        q, k, v = self.qkv(x_BLD).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        y_BHLd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y_BHLd.transpose(1, 2).reshape(B, L, D))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block whose feed-forward is an MoE layer."""
+
+    def __init__(self, dim: int, heads: int, moe_config: MoEConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.moe_norm = nn.RMSNorm(dim)
+        self.moe = MoE(moe_config)
+
+    def forward(self, x_BLD: Tensor) -> Tensor:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        return x_BLD + self.moe(self.moe_norm(x_BLD))
+
+
+class MoELanguageModel(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, max_len: int,
+                 moe_config: MoEConfig):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(max_len, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads, moe_config) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        nn.init.normal_(self.embed.weight, std=dim ** -0.5)
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.moe for block in self.blocks]
+
+    def forward(self, tokens_BL: Tensor) -> Tensor:
+        x_BLD = self.embed(tokens_BL) + self.pos[: tokens_BL.size(1)]
+        for block in self.blocks:
+            x_BLD = block(x_BLD)
+        return self.norm(x_BLD) @ self.embed.weight.t()  # tied LM head: logits [B, L, V]
+
+
+# --------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """What happened over the last ``log_every`` steps."""
+
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    counts_NE: Tensor | None = None  # routed assignments per (MoE layer, expert)
+
+    def add(self, loss: float, seconds: float, counts_NE: Tensor) -> None:
+        self.losses.append(loss)
+        self.seconds += seconds
+        self.counts_NE = counts_NE if self.counts_NE is None else self.counts_NE + counts_NE
+
+    def imbalance(self) -> float:
+        """Max over mean of the per-expert load, averaged over the MoE layers (1.0: even)."""
+        return (self.counts_NE.max(dim=1).values / self.counts_NE.mean(dim=1)).mean().item()
+
+
+def _collect_load(layers: list[MoE]) -> Tensor:
+    """The step's per-expert assignments [num_layers, E]. Read before update_expert_bias(),
+    which resets the counts it used."""
+    return torch.stack([moe.tokens_per_expert.float() for moe in layers])
+
+
+def train(args, balance: bool, train_NL: Tensor) -> dict:
+    label = "bias on " if balance else "bias off"
+    moe_config = MoEConfig(dim=args.dim, hidden_dim=args.ffn_dim, num_experts=args.experts,
+                           top_k=args.top_k, activation="swiglu", load_balance_bias=balance,
+                           bias_update_rate=args.bias_update_rate)
+    torch.manual_seed(args.seed)  # the same initial weights in both runs
+    model = MoELanguageModel(args.vocab, args.dim, args.heads, args.layers, args.seq_len,
+                             moe_config)
+    layers = model.moe_layers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+
+    history = dict(label=label, losses=[], imbalances=[], tokens_per_s=[])
+    window = Window()
+    order = torch.randperm(train_NL.size(0), generator=torch.Generator().manual_seed(args.seed))
+    tokens_per_step = args.batch * (args.seq_len - 1)
+    for step in range(1, args.steps + 1):
+        rows = order[((step - 1) * args.batch + torch.arange(args.batch)) % train_NL.size(0)]
+        batch_BL = train_NL[rows]
+        start = time.perf_counter()
+        logits_BLV = model(batch_BL[:, :-1])
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1), batch_BL[:, 1:].flatten())
+        loss.backward()
+        load_NE = _collect_load(layers)
+        for moe in layers:
+            if balance:
+                moe.update_expert_bias()  # before optimizer.step(); resets tokens_per_expert
+            else:
+                moe.reset_load_stats()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.add(loss.item(), time.perf_counter() - start, load_NE)
+        history["losses"].append(loss.item())
+
+        if step % args.log_every == 0 or step == args.steps:
+            n = len(window.losses)
+            first_load_E = window.counts_NE[0] / window.counts_NE[0].sum()
+            imbalance = window.imbalance()
+            history["imbalances"].append(imbalance)
+            history["tokens_per_s"].append(n * tokens_per_step / window.seconds)
+            print(f"  [{label}] step {step:4d}  loss {sum(window.losses) / n:6.3f}  "
+                  f"{history['tokens_per_s'][-1]:8,.0f} tok/s  layer-0 load "
+                  + " ".join(f"{f:.2f}" for f in first_load_E.tolist())
+                  + f"  imbalance {imbalance:5.2f}", flush=True)
+            window = Window()
+    if balance:
+        history["bias"] = layers[0].router.expert_bias.clone()
+    return history
+
+
+# --------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=65,
+                    help="tokens per sequence (inputs: one fewer)")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--successors", type=int, default=4,
+                    help="next tokens possible after each token")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ffn-dim", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=20)
+    ap.add_argument("--bias-update-rate", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-benchmark", action="store_true", help="skip the layer benchmark")
+    return ap.parse_args(argv)
+
+
+def summarize(runs: list[dict], floor: float, skip_windows: int) -> bool:
+    """Prints the comparison; returns whether both claims of the demo hold: the loss falls in
+    both runs, and the expert-bias update lowers the imbalance."""
+    print("\n== summary")
+    for h in runs:
+        losses = h["losses"]
+        last = _mean(losses[-10:])
+        print(f"  [{h['label']}] loss {losses[0]:.3f} -> {last:.3f} (mean of the last 10 steps; "
+              f"entropy rate {floor:.3f}), {sum(h['tokens_per_s']) / len(h['tokens_per_s']):,.0f} "
+              f"tok/s, mean imbalance {_mean(h['imbalances']):.2f} "
+              f"(after the first window: {_mean(h['imbalances'][skip_windows:]):.2f})")
+    on, off = runs
+    print(f"  mean imbalance with the expert-bias update on: {_mean(on['imbalances']):.2f}, off: "
+          f"{_mean(off['imbalances']):.2f} (max/mean expert load; 1.00 is perfectly even)")
+    print("  layer-0 expert bias at the end: "
+          + " ".join(f"{b:+.3f}" for b in on["bias"].tolist()))
+    loss_fell = all(_mean(h["losses"][-10:]) < h["losses"][0] for h in runs)
+    balanced = _mean(on["imbalances"]) < _mean(off["imbalances"])
+    print(f"  loss fell in both runs: {'yes' if loss_fell else 'NO'}; the expert-bias update "
+          f"lowered the imbalance: {'yes' if balanced else 'NO'}")
+    return loss_fell and balanced
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    P_VV = make_markov_chain(args.vocab, args.successors, args.seed)
+    num_sequences = args.steps * args.batch  # every step sees new sequences
+    train_NL = sample_sequences(P_VV, num_sequences, args.seq_len, args.seed + 1)
+    floor = entropy_rate(P_VV)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"data: {num_sequences} sequences of {args.seq_len} tokens from a sparse Markov chain "
+          f"over {args.vocab} tokens ({args.successors} successors each); loss floor (entropy "
+          f"rate) {floor:.3f} nats, uniform guess {math.log(args.vocab):.3f}")
+    print(f"model: {args.layers} pre-norm blocks, D={args.dim}, {args.heads} heads, MoE with "
+          f"E={args.experts}, k={args.top_k}, F={args.ffn_dim}, swiglu; AdamW lr {args.lr:g}; "
+          f"{args.steps} steps of {args.batch} x {args.seq_len - 1} tokens; expert bias rate "
+          f"{args.bias_update_rate:g}")
+    print(f"imbalance = max/mean of the per-expert token counts over the last {args.log_every} "
+          "steps, averaged over the MoE layers; layer-0 load = fraction of layer 0's assignments "
+          "per expert\n")
+
+    runs = []
+    for balance in (True, False):
+        print(f"-- training with the expert-bias update {'on' if balance else 'off'}")
+        runs.append(train(args, balance, train_NL))
+    ok = summarize(runs, floor, skip_windows=1)
+    print(f"\ntraining took {time.perf_counter() - start:.0f} s")
+
+    if not args.no_benchmark:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import moe_layer
+
+        print("\n== the MoE layer on its own: python benchmarks/moe_layer.py --quick\n", flush=True)
+        moe_layer.main(["--quick"])
+    print(f"\ndemo done in {time.perf_counter() - start:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
