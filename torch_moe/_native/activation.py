@@ -30,7 +30,8 @@ def activation_forward(kind: str, h: torch.Tensor, out: torch.Tensor, alpha: flo
     """Writes act(h) into ``out [n, F]`` and returns it."""
     g, u = _split(h, kind in GATED_ACTIVATIONS)
     if kind == "swiglu":
-        torch.mul(F_.silu(g), u, out=out)
+        # in place into ``out``: no [n, F] temporary per block
+        torch.sigmoid(g, out=out).mul_(g).mul_(u)
     elif kind == "geglu":
         torch.mul(F_.gelu(g), u, out=out)
     elif kind == "swiglu_oai":
@@ -52,11 +53,11 @@ def activation_backward(
     g, u = _split(h, gated)
     dg, du = _split(grad_h, gated)
     if kind == "swiglu":
+        # one temporary (s); everything else in place in the output halves
         s = torch.sigmoid(g)
-        silu = g * s
-        torch.mul(grad, silu, out=du)
+        torch.mul(g, s, out=du).mul_(grad)  # grad * silu(g)
         # d silu / dg = s * (1 + g * (1 - s))
-        torch.mul(grad * u, s * (1 + g * (1 - s)), out=dg)
+        torch.neg(s, out=dg).add_(1).mul_(g).add_(1).mul_(s).mul_(u).mul_(grad)
     elif kind == "geglu":
         torch.mul(grad, F_.gelu(g), out=du)
         dg.copy_(torch.ops.aten.gelu_backward(grad * u, g))
