@@ -371,9 +371,8 @@ def indexed_grouped_mm(
     for g, s, e in bounds:
         n = e - s
         if gather_index is not None:
-            X = torch.index_select(x_c, 0, g_rows[s:e], out=bufs.get("x", n, input.size(1), cdt))
-            if g_pad is not None:
-                X.masked_fill_(g_pad[s:e].unsqueeze(1), 0)
+            X = _gather_rows(x_c, g_rows[s:e], g_pad[s:e] if g_pad is not None else None,
+                             bufs.get("x", n, input.size(1), cdt))
         else:
             X = _gemm_operand(input[s:e], cdt)
         V = torch.mm(X, _gemm_operand(weight[g], cdt), out=bufs.get("v", n, N, cdt))
@@ -426,9 +425,8 @@ def indexed_grouped_mm_backward(
             G = grad_c[s:e]
         # X: this group's input rows, built once and used by both grad_weight and grad_sw
         if gather_index is not None:
-            X = torch.index_select(x_c, 0, g_rows[s:e], out=bufs.get("x", n, K, cdt))
-            if g_pad is not None:
-                X.masked_fill_(g_pad[s:e].unsqueeze(1), 0)
+            X = _gather_rows(x_c, g_rows[s:e], g_pad[s:e] if g_pad is not None else None,
+                             bufs.get("x", n, K, cdt))
         else:
             X = _gemm_operand(input[s:e], cdt)
         W = _gemm_operand(weight[g], cdt)
