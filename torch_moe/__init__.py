@@ -16,6 +16,7 @@ from torch_moe._functional_ops import (
     token_sort,
     unpermute,
 )
+from torch_moe import quantization  # noqa: F401
 from torch_moe import nn  # noqa: F401
 
 __all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn"]

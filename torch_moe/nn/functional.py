@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS
+from torch_moe.quantization import PRECISIONS
+from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
 
 __all__ = [
     "moe_ffn",
@@ -30,6 +32,9 @@ def moe_ffn(
     activation: str = "swiglu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    precision: str = "bf16",
+    scale_mode: str = "rceil",
+    wgrad_high_precision: bool = False,
 ) -> Tensor:
     """The routed-expert computation of an MoE layer.
 
@@ -72,6 +77,17 @@ def moe_ffn(
         )
     if w1.dim() != 3:
         raise ValueError(f"moe_ffn: expected w1 to be 3-D [E, D, F], but got shape {tuple(w1.shape)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"moe_ffn: expected precision in {PRECISIONS}, but got {precision!r}")
+    if precision != "bf16":
+        sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(
+            topk_ids, w1.size(0), group_alignment(precision)
+        )
+        return quantized_expert_ffn(
+            x, sorted_ids, offs, topk_weights, w1, w2, w3, activation=activation, alpha=alpha,
+            limit=limit, precision=precision, scale_mode=scale_mode,
+            wgrad_high_precision=wgrad_high_precision,
+        )
     sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(topk_ids, w1.size(0))
     out, _ = torch.ops.torch_moe.grouped_ffn(
         x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit
@@ -218,17 +234,21 @@ def router_z_loss(logits: Tensor) -> Tensor:
 
 
 def token_sort_with_capacity(
-    topk_ids: Tensor, topk_weights: Tensor, num_experts: int, capacity: int
+    topk_ids: Tensor, topk_weights: Tensor, num_experts: int, capacity: int, align: int = 1
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``token_sort`` that keeps at most ``capacity`` assignments per expert.
 
     Beyond capacity, an expert drops its lowest-weighted assignments (ties: the later
     assignment ``t * k + j`` is dropped), deterministically and without host synchronisation.
-    Returns ``(sorted_ids [T * k], offs [E], kept_per_expert [E], num_dropped [])``; the slots of
-    dropped assignments sit after ``offs[-1]`` and hold -1, so kernels skip them.
+    Returns ``(sorted_ids [S], offs [E], kept_per_expert [E], num_dropped [])``; the slots of
+    dropped assignments sit after ``offs[-1]`` and hold -1, so kernels skip them. With
+    ``align > 1`` every group starts on a multiple of ``align`` (as ``token_sort(align=)``:
+    ``S = T * k + E * (align - 1)``, padding slots hold -1).
     """
     if capacity < 0:
         raise ValueError(f"token_sort_with_capacity: expected capacity >= 0, but got {capacity}")
+    if align < 1:
+        raise ValueError(f"token_sort_with_capacity: expected align >= 1, but got {align}")
     ids = topk_ids.reshape(-1).long()
     weights = topk_weights.reshape(-1)
     n = ids.numel()
@@ -242,7 +262,21 @@ def token_sort_with_capacity(
     kept_first = torch.sort((~keep).to(torch.uint8), stable=True).indices
     sorted_ids = torch.where(keep[kept_first], order[kept_first], -1)
     kept = counts.clamp(max=capacity)
-    return sorted_ids, kept.cumsum(0).to(torch.int32), kept, n - kept.sum()
+    if align == 1:
+        return sorted_ids, kept.cumsum(0).to(torch.int32), kept, n - kept.sum()
+    # Move the i-th kept assignment of expert e from start[e] + i to padded_start[e] + i.
+    kept_ends = kept.cumsum(0)
+    padded = torch.div(kept + (align - 1), align, rounding_mode="floor").mul_(align)
+    padded_ends = padded.cumsum(0)
+    shift = (padded_ends - padded) - (kept_ends - kept)
+    pos = torch.arange(n, device=ids.device)
+    expert = torch.searchsorted(kept_ends, pos, right=True)  # E for the dropped tail
+    is_kept = expert < num_experts
+    S = n + num_experts * (align - 1)
+    dest = torch.where(is_kept, pos + shift[expert.clamp(max=num_experts - 1)], S)
+    aligned = torch.full((S + 1,), -1, dtype=torch.int64, device=ids.device)
+    aligned.scatter_(0, dest, torch.where(is_kept, sorted_ids, -1))
+    return aligned[:S], padded_ends.to(torch.int32), kept, n - kept.sum()
 
 
 def activation(kind: str, gate: Tensor, up: Optional[Tensor] = None, *, alpha: float = 1.702,

@@ -22,6 +22,8 @@ from torch import nn, Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
 from torch_moe.nn import functional as F_moe
+from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
+from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
 
 __all__ = ["MoEConfig", "TopKRouter", "GroupedExperts", "SharedExperts", "MoE"]
 
@@ -59,6 +61,12 @@ class MoEConfig:
         activation: ``"swiglu"``, ``"geglu"``, ``"swiglu_oai"``, ``"gelu"`` or ``"relu"``.
         swiglu_alpha, swiglu_limit: constants of ``"swiglu_oai"`` (gpt-oss: 1.702, 7.0).
         router_bias: the router linear has a bias (gpt-oss).
+        precision: expert GEMMs in ``"bf16"`` (the parameters' dtype, no quantization),
+            ``"fp8_rowwise"`` or ``"mxfp8"`` (E4M3 operands quantized on the fly, forward and
+            backward; see :func:`torch_moe.nn.functional.moe_ffn`). Router, shared experts and
+            combine stay in high precision. Set per layer.
+        quant_scale_mode: MXFP8 scale rule, ``"rceil"`` (default) or ``"floor"``.
+        wgrad_high_precision: compute the expert weight gradients in high precision.
     """
 
     dim: int
@@ -84,6 +92,9 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     router_bias: bool = False
+    precision: str = "bf16"
+    quant_scale_mode: str = "rceil"
+    wgrad_high_precision: bool = False
 
     def __post_init__(self):
         def need(cond, msg):
@@ -116,6 +127,15 @@ class MoEConfig:
                  f"expected capacity_factor > 0 (or None for dropless), but got {self.capacity_factor}")
         for name in ("load_balance_coeff", "seq_balance_coeff", "z_loss_coeff", "bias_update_rate"):
             need(getattr(self, name) >= 0, f"expected {name} >= 0, but got {getattr(self, name)}")
+        need(self.precision in PRECISIONS,
+             f"expected precision in {PRECISIONS}, but got {self.precision!r}")
+        need(self.quant_scale_mode in SCALE_MODES,
+             f"expected quant_scale_mode in {SCALE_MODES}, but got {self.quant_scale_mode!r}")
+        if self.precision == "mxfp8":
+            for name in ("dim", "hidden_dim"):
+                need(getattr(self, name) % BLOCK_SIZE == 0,
+                     f"precision='mxfp8' needs {name} to be a multiple of the MX block size "
+                     f"{BLOCK_SIZE}, but got {getattr(self, name)}")
         need(self.num_shared_experts >= 0,
              f"expected num_shared_experts >= 0, but got {self.num_shared_experts}")
 
@@ -204,7 +224,15 @@ class GroupedExperts(nn.Module):
             _init_expert_weight(self.w3, self.config.dim)
 
     def forward(self, x_TD, sorted_ids, offs, topk_weights) -> Tensor:
+        """``sorted_ids`` / ``offs`` from ``token_sort(..., align=group_alignment(precision))``."""
         c = self.config
+        if c.precision != "bf16":
+            return quantized_expert_ffn(
+                x_TD.to(self.w1.dtype), sorted_ids, offs, topk_weights, self.w1, self.w2, self.w3,
+                activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+                precision=c.precision, scale_mode=c.quant_scale_mode,
+                wgrad_high_precision=c.wgrad_high_precision,
+            )
         out, _ = torch.ops.torch_moe.grouped_ffn(
             x_TD.to(self.w1.dtype), sorted_ids, offs, topk_weights, self.w1, self.w2, self.w3,
             c.activation, c.swiglu_alpha, c.swiglu_limit,
@@ -329,12 +357,13 @@ class MoE(nn.Module):
         T = x_TD.size(0)
         topk_ids, topk_weights, scores, logits = self.router(x_TD)
         capacity = self.capacity(T)
+        align = group_alignment(c.precision)
         if capacity is None:
-            sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(topk_ids, c.num_experts)
+            sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(topk_ids, c.num_experts, align)
             dropped = None
         else:
             sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
-                topk_ids, topk_weights, c.num_experts, capacity)
+                topk_ids, topk_weights, c.num_experts, capacity, align)
         y = self.experts(x_TD, sorted_ids, offs, topk_weights)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_TD)

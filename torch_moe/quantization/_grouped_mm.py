@@ -1,0 +1,103 @@
+"""``torch_moe.quantized_grouped_mm``: a trainable grouped GEMM in FP8 rowwise or MXFP8.
+
+``out [M, N] = input [M, K] @ weight [G, K, N]`` with the rows of ``input`` split by ``offs``.
+Each of the three GEMMs quantizes its two operands along *its own* contraction dim, from the
+high-precision tensors (quantization and transposition do not commute, so nothing quantized is
+reused across GEMMs):
+
+    GEMM                            contracts   input / grad_out          weight
+    forward   out  = x @ W[g]       K           x along K (rows)          W along K
+    dgrad     dx   = dy @ W[g]^T    N           dy along N (rows)         W along N
+    wgrad     dW[g] = x_g^T @ dy_g  M_g         x, dy along M, per group  (-)
+
+For the wgrad GEMM MXFP8 blocks (32 rows) and FP8 per-group scales must not straddle groups:
+every group size is a multiple of 32 (MXFP8) or 16 (FP8), which ``token_sort(..., align=)``
+provides. ``wgrad_high_precision`` computes dW in the input dtype instead (torchao's
+``wgrad_with_hp``, TransformerEngine's ``rowwise_with_gw_hp``).
+
+Saved for backward: ``input`` and ``weight`` in high precision (the quantized copies are
+rebuilt along the backward axes, which is cheaper in memory than keeping three of them).
+"""
+
+import torch
+
+from torch_moe import _checks as core_checks
+from torch_moe.quantization import _checks as C
+
+ops = torch.ops.torch_moe
+_OP = "torch_moe.quantized_grouped_mm"
+
+
+def check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode) -> None:
+    C.check_recipe(_OP, recipe)
+    C.check_scale_mode(_OP, scale_mode)
+    C.check_quantizable(_OP, "input", input)
+    core_checks.check_dim(_OP, "input", input, 2)
+    core_checks.check_dim(_OP, "weight", weight, 3)
+    core_checks.check_same_dtype(_OP, {"input": input, "weight": weight})
+    C.check_group_offsets_meta(_OP, offs)
+    G, K, N = weight.shape
+    torch._check(
+        input.size(1) == K,
+        lambda: f"{_OP}: expected input.size(1) == weight.size(1) (K = {K}), but got {input.size(1)}",
+    )
+    torch._check(
+        offs.size(0) == G,
+        lambda: f"{_OP}: expected offs.size(0) == weight.size(0) (G = {G}), but got {offs.size(0)}",
+    )
+    if recipe == "mxfp8":
+        # forward blocks along K, dgrad along N
+        C.check_block_dim(_OP, "weight", weight, 1)
+        C.check_block_dim(_OP, "weight", weight, 2)
+
+
+def quantize(t, dim, recipe, scale_mode, offs=None):
+    """Quantizes ``t`` along ``dim`` with the recipe's elements (E4M3) and scales."""
+    if recipe == "mxfp8":
+        return ops.quantize_mxfp8(t, dim, torch.float8_e4m3fn, scale_mode)
+    return ops.quantize_fp8_rowwise(t, dim, offs)
+
+
+def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
+    check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
+    a, scale_a = quantize(input, 1, recipe, scale_mode)
+    b, scale_b = quantize(weight, 1, recipe, scale_mode)
+    return ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs, input.dtype)
+
+
+def quantized_grouped_mm_meta(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
+    check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
+    return input.new_empty((input.size(0), weight.size(2)))
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, offs, recipe, scale_mode, wgrad_high_precision = inputs
+    ctx.save_for_backward(input, weight, offs)
+    ctx.recipe, ctx.scale_mode, ctx.wgrad_high_precision = recipe, scale_mode, wgrad_high_precision
+
+
+def _backward(ctx, grad):
+    input, weight, offs = ctx.saved_tensors
+    recipe, mode = ctx.recipe, ctx.scale_mode
+    grad = grad.to(input.dtype)
+    grad_input = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        # dx [M, K] = dy [M, N] @ W[g]^T [N, K]: both quantized along N
+        g, scale_g = quantize(grad, 1, recipe, mode)
+        w, scale_w = quantize(weight, 2, recipe, mode)
+        grad_input = ops.scaled_grouped_mm(
+            g, w.transpose(1, 2), scale_g, scale_w.transpose(1, 2), offs, input.dtype
+        )
+    if ctx.needs_input_grad[1]:
+        if ctx.wgrad_high_precision:
+            grad_weight = ops.grouped_mm(input.t(), grad, offs)
+        else:
+            # dW[g] [K, N] = x_g^T [K, M_g] @ dy_g [M_g, N]: both quantized along M. Rows past
+            # offs[-1] belong to no group; with aligned groups offs[-1] <= M rounded down to the
+            # alignment, so those rows can be cut to make M a whole number of blocks.
+            M = input.size(0)
+            rows = M - M % C.GROUP_ALIGNMENT[recipe]
+            x, scale_x = quantize(input[:rows], 0, recipe, mode, offs)
+            g, scale_g = quantize(grad[:rows], 0, recipe, mode, offs)
+            grad_weight = ops.scaled_grouped_mm(x.t(), g, scale_x.t(), scale_g, offs, weight.dtype)
+    return grad_input, grad_weight, None, None, None, None

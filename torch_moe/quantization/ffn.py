@@ -1,0 +1,72 @@
+"""The routed-expert FFN with FP8 rowwise or MXFP8 expert GEMMs.
+
+Counterpart of ``torch_moe.grouped_ffn`` for quantized training. The three expert GEMMs
+(gate/up, down) run through :func:`torch_moe.quantization.quantized_grouped_mm`; everything
+around them stays in high precision: the router (fp32), the token permutation, the activation
+and the weighted combine (fp32 accumulation in ``unpermute``).
+
+Groups must be padded to the recipe's alignment (``GROUP_ALIGNMENT``: 16 FP8, 32 MXFP8), i.e.
+``sorted_ids`` / ``offs`` come from ``token_sort(topk_ids, E, align=GROUP_ALIGNMENT[precision])``;
+the padding slots are zero rows that never reach the output.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_moe.quantization._checks import GROUP_ALIGNMENT, RECIPES
+
+__all__ = ["quantized_expert_ffn"]
+
+ops = torch.ops.torch_moe
+
+
+def quantized_expert_ffn(
+    x_TD: Tensor,
+    sorted_ids_S: Tensor,
+    offs_E: Tensor,
+    topk_weights_TK: Tensor,
+    w1_EDF: Tensor,
+    w2_EFD: Tensor,
+    w3_EDF: Optional[Tensor],
+    *,
+    activation: str,
+    alpha: float,
+    limit: float,
+    precision: str,
+    scale_mode: str = "rceil",
+    wgrad_high_precision: bool = False,
+) -> Tensor:
+    """``out [T, D] = sum_j topk_weights[t, j] * act(x[t] @ w1[e], x[t] @ w3[e]) @ w2[e]`` with
+    the expert GEMMs in ``precision`` (``"fp8_rowwise"`` or ``"mxfp8"``).
+
+    ``w1`` may be the fused gate/up projection ``[E, D, 2F]`` when ``w3`` is None and the
+    activation is gated (gate in ``[..., :F]``).
+    """
+    if precision not in RECIPES:
+        raise ValueError(f"quantized_expert_ffn: expected precision in {RECIPES}, but got {precision!r}")
+    from torch_moe.nn.functional import activation as act_fn
+    from torch_moe._checks import GATED_ACTIVATIONS
+
+    def gmm(a, w):
+        return ops.quantized_grouped_mm(a, w, offs_E, precision, scale_mode, wgrad_high_precision)
+
+    top_k = topk_weights_TK.size(1)
+    xs_SD = ops.permute(x_TD, sorted_ids_S, top_k)  # padding slots are zero rows
+    h_SF = gmm(xs_SD, w1_EDF)
+    if activation in GATED_ACTIVATIONS:
+        if w3_EDF is None:
+            gate, up = h_SF.chunk(2, dim=-1)
+        else:
+            gate, up = h_SF, gmm(xs_SD, w3_EDF)
+        a_SF = act_fn(activation, gate, up, alpha=alpha, limit=limit)
+    else:
+        a_SF = act_fn(activation, h_SF, alpha=alpha, limit=limit)
+    y_SD = gmm(a_SF, w2_EFD)
+    return ops.unpermute(y_SD, sorted_ids_S, topk_weights_TK)
+
+
+def group_alignment(precision: str) -> int:
+    """Group-size multiple the expert GEMMs of ``precision`` need (1 for high precision)."""
+    return GROUP_ALIGNMENT.get(precision, 1)
