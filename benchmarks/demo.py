@@ -158,11 +158,11 @@ def _collect_load(layers: list[MoE]) -> Tensor:
     return torch.stack([moe.tokens_per_expert.float() for moe in layers])
 
 
-def train(args, balance: bool, train_NL: Tensor) -> dict:
-    label = "bias on " if balance else "bias off"
+def train(args, balance: bool, train_NL: Tensor, label: str | None = None) -> dict:
+    label = label or ("bias on " if balance else "bias off")
     moe_config = MoEConfig(dim=args.dim, hidden_dim=args.ffn_dim, num_experts=args.experts,
                            top_k=args.top_k, activation="swiglu", load_balance_bias=balance,
-                           bias_update_rate=args.bias_update_rate)
+                           bias_update_rate=args.bias_update_rate, precision=args.precision)
     torch.manual_seed(args.seed)  # the same initial weights in both runs
     model = MoELanguageModel(args.vocab, args.dim, args.heads, args.layers, args.seq_len,
                              moe_config)
@@ -236,6 +236,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--bias-update-rate", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8_rowwise", "mxfp8"),
+                    help="expert GEMMs: unquantized ('bf16': the parameters' dtype, fp32 here), "
+                    "or quantized on the fly (see benchmarks/quantization.py)")
     ap.add_argument("--no-benchmark", action="store_true", help="skip the layer benchmark")
     return ap.parse_args(argv)
 
@@ -280,7 +283,8 @@ def main(argv=None) -> int:
           f"over {args.vocab} tokens ({args.successors} successors each); loss floor (entropy "
           f"rate) {floor:.3f} nats, uniform guess {math.log(args.vocab):.3f}")
     print(f"model: {args.layers} pre-norm blocks, D={args.dim}, {args.heads} heads, MoE with "
-          f"E={args.experts}, k={args.top_k}, F={args.ffn_dim}, swiglu; AdamW lr {args.lr:g}; "
+          f"E={args.experts}, k={args.top_k}, F={args.ffn_dim}, swiglu, expert GEMMs "
+          f"{args.precision}; AdamW lr {args.lr:g}; "
           f"{args.steps} steps of {args.batch} x {args.seq_len - 1} tokens; expert bias rate "
           f"{args.bias_update_rate:g}")
     print(f"imbalance = max/mean of the per-expert token counts over the last {args.log_every} "

@@ -13,6 +13,8 @@ Ops (``torch.ops.torch_moe``):
 ``torch_moe.nn.functional.moe_ffn(..., precision=)`` and ``MoEConfig(precision=)`` use them.
 """
 
+import importlib.util
+
 import torch
 
 from torch_moe.quantization import _ops  # noqa: F401  (schemas first)
@@ -126,3 +128,7 @@ swizzle_mx_scale = torch.ops.torch_moe.swizzle_mx_scale
 unswizzle_mx_scale = torch.ops.torch_moe.unswizzle_mx_scale
 scaled_grouped_mm = torch.ops.torch_moe.scaled_grouped_mm
 quantized_grouped_mm = torch.ops.torch_moe.quantized_grouped_mm
+
+from torch_moe.quantization import _cuda  # noqa: E402  (CUDA kernel of scaled_grouped_mm)
+
+_cuda.register()

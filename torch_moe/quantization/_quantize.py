@@ -32,11 +32,30 @@ __all__ = [
 _FP8_ROWWISE_DTYPE = torch.float8_e4m3fn
 
 
-def _to_elem(q_f32: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
-    # Saturate explicitly: the e5m2 cast overflows to Inf, and the e4m3 cast saturates only
-    # since torch 2.12. clamp keeps NaN, so a NaN block stays NaN.
-    m = max_normal(elem_dtype)
-    return q_f32.clamp_(-m, m).to(elem_dtype)
+def _to_elem(q: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
+    """Round-to-nearest-even cast with saturation to the largest finite value; NaN stays NaN.
+
+    The E4M3 cast of torch >= 2.12 saturates by itself (on every device); the E5M2 cast
+    overflows to Inf, so it is clamped first (clamp keeps NaN).
+    """
+    if elem_dtype != torch.float8_e4m3fn:
+        m = max_normal(elem_dtype)
+        q = q.clamp_(-m, m)
+    return q.to(elem_dtype)
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    # Scaling by a power of two is exact in fp32 and in bf16 (the same exponent range); fp16
+    # cannot hold the scales (up to 2**127). bf16 is kept as is: half the bytes to move, and
+    # bf16 -> fp8 rounds once, like fp32 -> fp8.
+    return torch.float32 if x.dtype == torch.float16 else x.dtype
+
+
+def _abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along ``dim`` (keepdim, fp32), NaN if any element is NaN. aminmax reads the
+    input once; abs().amax() would write and read a temporary of the input's size."""
+    lo, hi = torch.aminmax(x, dim=dim, keepdim=True)
+    return torch.maximum(hi.float(), lo.float().neg())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,12 +75,12 @@ def check_quantize_mxfp8(x, dim, elem_dtype, scale_mode) -> int:
 
 def quantize_mxfp8(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="rceil"):
     d = check_quantize_mxfp8(x, dim, elem_dtype, scale_mode)
-    blocks = x.float().unflatten(d, (-1, BLOCK_SIZE))  # [..., nb, B, ...]
-    amax = blocks.abs().amax(d + 1, keepdim=True)  # NaN propagates
-    scale = scale_bytes(amax, elem_dtype, scale_mode)
+    blocks = x.to(_work_dtype(x)).unflatten(d, (-1, BLOCK_SIZE))  # [..., nb, B, ...]
+    scale = scale_bytes(_abs_max(blocks, d + 1), elem_dtype, scale_mode)
     # x * 2**(127 - b) is exact (a power of two); a NaN reciprocal (b = 255) makes the whole
     # block NaN, as the spec asks of a NaN scale.
-    data = _to_elem(blocks * e8m0_reciprocal(scale), elem_dtype).flatten(d, d + 1)
+    recip = e8m0_reciprocal(scale).to(blocks.dtype)
+    data = _to_elem(blocks * recip, elem_dtype).flatten(d, d + 1)
     return data, scale.squeeze(d + 1).to(torch.uint8)
 
 
@@ -91,16 +110,6 @@ def _as_bytes(scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _group_index(offs: torch.Tensor, n: int) -> torch.Tensor:
-    """Group of each position 0..n-1 along the grouped dim; G for positions past offs[-1]."""
-    pos = torch.arange(n, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, pos, right=True)
-
-
-def _along(index: torch.Tensor, d: int, ndim: int) -> torch.Tensor:
-    return index.view([-1 if i == d else 1 for i in range(ndim)])
-
-
 def check_quantize_fp8_rowwise(x, dim, offs) -> tuple:
     op = "torch_moe.quantize_fp8_rowwise"
     C.check_quantizable(op, "x", x)
@@ -112,28 +121,31 @@ def check_quantize_fp8_rowwise(x, dim, offs) -> tuple:
     return d, G
 
 
+def _segment_lengths(offs: torch.Tensor, n: int) -> torch.Tensor:
+    """Sizes of the G groups and of the tail past offs[-1] (G + 1 entries, on device)."""
+    ends = torch.cat([offs.long(), offs.new_full((1,), n, dtype=torch.long)])
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
 def quantize_fp8_rowwise(x, dim=-1, offs=None):
     d, G = check_quantize_fp8_rowwise(x, dim, offs)
-    xf = x.float()
+    xw = x.to(_work_dtype(x))
     if offs is None:
-        scale = pow2_ceil_scale(xf.abs().amax(d, keepdim=True), _FP8_ROWWISE_DTYPE)
-        return _to_elem(xf * scale.reciprocal(), _FP8_ROWWISE_DTYPE), scale
-    C.check_group_offsets("torch_moe.quantize_fp8_rowwise", offs, x.size(d))
-    # Per group: amax over each group's slice of `dim` (bucket G collects the positions past
-    # offs[-1], which belong to no group and quantize to zero).
-    gid = _along(_group_index(offs, x.size(d)), d, x.dim()).expand_as(xf)
-    amax_shape = list(x.shape)
-    amax_shape[d] = G + 1
-    amax = xf.new_zeros(amax_shape).scatter_reduce_(d, gid, xf.abs(), "amax")
-    scale = pow2_ceil_scale(amax.narrow(d, 0, G), _FP8_ROWWISE_DTYPE)
-    recip = torch.cat([scale.reciprocal(), scale.new_zeros(rowwise_tail(scale, d))], d)
-    return _to_elem(xf * recip.gather(d, gid), _FP8_ROWWISE_DTYPE), scale
-
-
-def rowwise_tail(scale: torch.Tensor, d: int) -> list:
-    shape = list(scale.shape)
-    shape[d] = 1
-    return shape
+        scale = pow2_ceil_scale(_abs_max(xw, d), _FP8_ROWWISE_DTYPE)
+        return _to_elem(xw * scale.reciprocal().to(xw.dtype), _FP8_ROWWISE_DTYPE), scale
+    n = x.size(d)
+    C.check_group_offsets("torch_moe.quantize_fp8_rowwise", offs, n)
+    # Per group: max |x| over each group's slice of `dim`; the tail past offs[-1] is a group of
+    # its own, which belongs to no GEMM group and quantizes to zero.
+    lengths = _segment_lengths(offs, n)
+    xt = xw.movedim(d, 0)
+    amax = torch.segment_reduce(xt.abs(), "max", lengths=lengths, axis=0)  # [G + 1, ...]
+    amax = amax[:G].float().clamp_(min=0)  # an empty group reduces to -inf
+    scale_t = pow2_ceil_scale(amax, _FP8_ROWWISE_DTYPE)
+    recip = torch.cat([scale_t.reciprocal(), scale_t.new_zeros((1, *scale_t.shape[1:]))])
+    recip_rows = torch.repeat_interleave(recip.to(xw.dtype), lengths, dim=0, output_size=n)
+    data = _to_elem(xt * recip_rows, _FP8_ROWWISE_DTYPE).movedim(0, d)
+    return data, scale_t.movedim(0, d)
 
 
 def check_dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype) -> int:
@@ -154,10 +166,12 @@ def dequantize_fp8_rowwise(data, scale, dim=-1, offs=None, out_dtype=torch.float
     df = data.float()
     if offs is None:
         return (df * scale).to(out_dtype)
-    C.check_group_offsets("torch_moe.dequantize_fp8_rowwise", offs, data.size(d))
-    gid = _along(_group_index(offs, data.size(d)), d, data.dim()).expand_as(df)
-    padded = torch.cat([scale, scale.new_zeros(rowwise_tail(scale, d))], d)
-    return (df * padded.gather(d, gid)).to(out_dtype)
+    n = data.size(d)
+    C.check_group_offsets("torch_moe.dequantize_fp8_rowwise", offs, n)
+    scale_t = scale.movedim(d, 0)
+    padded = torch.cat([scale_t, scale_t.new_zeros((1, *scale_t.shape[1:]))])
+    rows = torch.repeat_interleave(padded, _segment_lengths(offs, n), dim=0, output_size=n)
+    return (df.movedim(d, 0) * rows).movedim(0, d).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
