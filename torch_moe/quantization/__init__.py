@@ -132,3 +132,7 @@ quantized_grouped_mm = torch.ops.torch_moe.quantized_grouped_mm
 from torch_moe.quantization import _cuda  # noqa: E402  (CUDA kernel of scaled_grouped_mm)
 
 _cuda.register()
+
+if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    from torch_moe.quantization._triton import register_cuda_kernels
+    register_cuda_kernels()
