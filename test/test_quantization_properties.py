@@ -10,27 +10,19 @@ in one tensor. Examples are bounded and, under CI, derandomised.
 import math
 
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-from torch.testing._internal.common_utils import IS_CI, TestCase, run_tests
+from hypothesis import given, strategies as st
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_moe  # noqa: F401
 from torch_moe import _refs
 from torch_moe._refs import quantization as qref
 from torch_moe.quantization import _formats
 
+from test_properties import moe_settings as qsettings  # one hypothesis profile for the suite
+
 ops = torch.ops.torch_moe
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 NAN_CODES = (0x7F, 0xFF)
-
-
-def qsettings(max_examples):
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=IS_CI,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 @st.composite
