@@ -19,5 +19,11 @@ from torch_moe._functional_ops import (
 from torch_moe import quantization  # noqa: F401
 from torch_moe import nn  # noqa: F401
 
+# DTensor sharding strategies register with ``import torch_moe.distributed.tensor`` (done here
+# when the program already uses DTensor, and by moe_ffn / MoE when they receive a DTensor):
+# importing torch.distributed.tensor costs about two seconds that non-distributed users skip.
+if "torch.distributed.tensor" in __import__("sys").modules:
+    import torch_moe.distributed.tensor  # noqa: F401
+
 __all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn"]
 __version__ = "0.1.0"

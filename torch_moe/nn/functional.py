@@ -1,5 +1,6 @@
 """Functional MoE layers (counterpart of ``torch/nn/functional.py``)."""
 
+import functools
 from typing import Optional
 
 import torch
@@ -79,6 +80,15 @@ def moe_ffn(
         raise ValueError(f"moe_ffn: expected w1 to be 3-D [E, D, F], but got shape {tuple(w1.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"moe_ffn: expected precision in {PRECISIONS}, but got {precision!r}")
+    if type(x).__name__ == "DTensor":
+        # every rank routes its own tokens: see torch_moe.distributed.tensor._token_parallel
+        from torch_moe.distributed.tensor._token_parallel import token_parallel_moe_ffn
+
+        local = functools.partial(
+            moe_ffn, activation=activation, alpha=alpha, limit=limit, precision=precision,
+            scale_mode=scale_mode, wgrad_high_precision=wgrad_high_precision,
+        )
+        return token_parallel_moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, local)
     if precision != "bf16":
         sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(
             topk_ids, w1.size(0), group_alignment(precision)

@@ -284,6 +284,11 @@ class SharedExperts(nn.Module):
         return y
 
 
+def _is_dtensor(x: Tensor) -> bool:
+    # without importing torch.distributed in processes that never use it
+    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """Returns ``y`` unchanged; in backward, gives ``aux_loss`` the gradient ``scale``.
 
@@ -352,11 +357,26 @@ class MoE(nn.Module):
         if x.dim() not in (2, 3) or x.size(-1) != c.dim:
             raise ValueError(f"MoE: expected input [B, L, {c.dim}] or [T, {c.dim}], but got "
                              f"{tuple(x.shape)}")
+        if _is_dtensor(x):
+            # every rank routes its own tokens (torch_moe.distributed.tensor._token_parallel)
+            from torch_moe.distributed.tensor._token_parallel import moe_layer_forward
+
+            return moe_layer_forward(self, x)
         seq_len = x.size(1) if x.dim() == 3 else x.size(0)
         x_TD = x.reshape(-1, c.dim)
-        T = x_TD.size(0)
+        y, counts, dropped = self.routed_forward(x_TD, seq_len)
+        self.record_load(counts, dropped)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_TD)
+        return y.to(x.dtype).view(x.shape)
+
+    def routed_forward(self, x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Router, token sort and routed experts on ``x [T, D]`` (no shared experts); attaches
+        the auxiliary losses in training. Returns ``(y [T, D], tokens_per_expert [E] int64,
+        num_dropped [] int64 or None)``; :meth:`record_load` adds the last two to the buffers."""
+        c = self.config
         topk_ids, topk_weights, scores, logits = self.router(x_TD)
-        capacity = self.capacity(T)
+        capacity = self.capacity(x_TD.size(0))
         align = group_alignment(c.precision)
         if capacity is None:
             sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(topk_ids, c.num_experts, align)
@@ -365,16 +385,16 @@ class MoE(nn.Module):
             sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
                 topk_ids, topk_weights, c.num_experts, capacity, align)
         y = self.experts(x_TD, sorted_ids, offs, topk_weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x_TD)
-        y = y.to(x.dtype)
         if self.training:
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts)
-                if dropped is not None:
-                    self.num_dropped.add_(dropped)
             y = self._attach_aux_losses(y, scores, topk_ids, logits, seq_len)
-        return y.view(x.shape)
+        return y, counts, dropped
+
+    @torch.no_grad()
+    def record_load(self, counts: Tensor, dropped: Optional[Tensor]) -> None:
+        if self.training:
+            self.tokens_per_expert.add_(counts)
+            if dropped is not None:
+                self.num_dropped.add_(dropped)
 
     def _attach_aux_losses(self, y, scores, topk_ids, logits, seq_len):
         c = self.config

@@ -1,0 +1,209 @@
+"""Sharding strategies of the torch_moe routing, permutation and grouped-GEMM ops.
+
+Counterpart of ``torch/distributed/tensor/_ops/_matrix_ops.py``. Every rule here is written for
+one mesh dimension with ``register_single_dim_strategy`` (the all-Replicate rule is implicit) and
+is checked against ground truth by ``test/distributed/tensor/test_moe_sharding.py``.
+
+Notation in the comments: ``R`` Replicate, ``S(d)`` Shard(d), ``P`` Partial(sum); a rule reads
+``outputs <- inputs`` in the order of the op's tensor arguments (absent optional tensors are
+skipped).
+
+What has no rule, and why:
+
+* Sharding tokens (dim 0 of ``x`` / ``topk_ids``) or slots (dim 0 of ``sorted_ids``). The
+  routing tensors are global index maps: ``token_sort`` of a token shard is not a shard of
+  ``token_sort`` of all tokens, and ``permute`` / ``unpermute`` / ``grouped_ffn`` index rows
+  across the whole token dim. Token (data) parallelism is exact one level up, where a row's
+  output depends on that row only: ``moe_ffn`` routes every shard on its own
+  (:func:`torch_moe.distributed.tensor.token_parallel_moe_ffn`).
+* Sharding experts (dim 0 of 3-D weights). A shard's rows are a data-dependent subset of the
+  token rows, which no placement describes; the expert-parallel dispatcher moves those rows with
+  an all-to-all and runs the ops on local tensors with local offsets.
+* ``offs`` is read on the host by CPU kernels and defines the groups: always Replicate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _ShardingPlaceholder,
+    register_single_dim_strategy,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from torch_moe._checks import GATED_ACTIVATIONS
+
+ops = torch.ops.torch_moe
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> _ShardingPlaceholder:
+    return _ShardingPlaceholder(dim)
+
+
+def _present(*tensors) -> list:
+    return [t for t in tensors if t is not None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and permutation
+# ---------------------------------------------------------------------------------------------
+
+
+@register_single_dim_strategy(ops.token_sort.default)
+def token_sort_strategy(op, args, kwargs):
+    # sorted_ids / offs are global index maps of all tokens: nothing but Replicate is exact.
+    return []
+
+
+@register_single_dim_strategy(ops.permute.default)
+def permute_strategy(op, args, kwargs):
+    # out [S, D] <- x [T, D], sorted_ids [S]: a copy of rows, so columns shard and sums pass.
+    return [[S(1), S(1), R], [P, P, R]]
+
+
+@register_single_dim_strategy(ops.permute_backward.default)
+def permute_backward_strategy(op, args, kwargs):
+    # grad_x [T, D] <- grad [S, D], sorted_ids [S]: a sum of rows.
+    return [[S(1), S(1), R], [P, P, R]]
+
+
+@register_single_dim_strategy(ops.unpermute.default)
+def unpermute_strategy(op, args, kwargs):
+    # out [T, D] <- y [S, D], sorted_ids, topk_weights [T, k]: bilinear in (y, topk_weights).
+    return [[S(1), S(1), R, R], [P, P, R, R], [P, R, R, P]]
+
+
+@register_single_dim_strategy(ops.unpermute_backward.default)
+def unpermute_backward_strategy(op, args, kwargs):
+    # (grad_y [S, D], grad_w [T, k]) <- grad [T, D], y [S, D], sorted_ids, topk_weights:
+    # grad_y = w * grad (no y), grad_w = <grad, y> over D.
+    return [
+        [S(1), P, S(1), S(1), R, R],
+        [P, P, P, R, R, R],
+        [R, P, R, P, R, R],
+        [P, R, R, R, R, P],
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ---------------------------------------------------------------------------------------------
+
+
+def grouped_mm_rules(a_dim: int, b_dim: int) -> list:
+    """[out, a, b, offs] rules of ``grouped_mm`` for the layout of ``a`` / ``b`` ranks."""
+    if a_dim == 2 and b_dim == 3:
+        # [M, N] <- [M, K] @ [G, K, N]: K contracted, N free
+        rules = [[P, S(1), S(1), R], [S(1), R, S(2), R]]
+    elif a_dim == 3 and b_dim == 2:
+        # [M, N] <- [G, M, K] @ [K, N] (columns of b grouped): K contracted, M free
+        rules = [[P, S(2), S(0), R], [S(0), S(1), R, R]]
+    else:
+        # [G, K, N] <- [K, M] @ [M, N] (M grouped): K and N free
+        rules = [[S(1), S(0), R, R], [S(2), R, S(1), R]]
+    return rules + [[P, P, R, R], [P, R, P, R]]
+
+
+@register_single_dim_strategy(ops.grouped_mm.default)
+def grouped_mm_strategy(op, args, kwargs):
+    a, b = args[0], args[1]
+    return grouped_mm_rules(len(a.shape), len(b.shape))
+
+
+@register_single_dim_strategy(ops.indexed_grouped_mm.default)
+def indexed_grouped_mm_strategy(op, args, kwargs):
+    # out <- input [rows, K], weight [G, K, N], offs, gather?, scatter?, scatter_weight?
+    _, _, _, gather, scatter, scatter_weight = (list(args) + [None] * 6)[:6]
+    idx = [R] * len(_present(gather, scatter))
+    has_sw = scatter_weight is not None
+    sw = [R] if has_sw else []
+    rules = [
+        [P, S(1), S(1), R, *idx, *sw],   # K contracted
+        [S(1), R, S(2), R, *idx, *sw],   # N free
+        [P, P, R, R, *idx, *sw],
+        [P, R, P, R, *idx, *sw],
+    ]
+    if has_sw:
+        rules.append([P, R, R, R, *idx, P])  # linear in the row weights
+    return rules
+
+
+@register_single_dim_strategy(ops.indexed_grouped_mm_backward.default)
+def indexed_grouped_mm_backward_strategy(op, args, kwargs):
+    # (grad_input [rows, K], grad_weight [G, K, N], grad_scatter_weight [S])
+    #   <- grad [out_rows, N], input, weight, offs, gather?, scatter?, scatter_weight?
+    _, _, _, _, gather, scatter, scatter_weight = (list(args) + [None] * 7)[:7]
+    idx = [R] * len(_present(gather, scatter))
+    has_sw = scatter_weight is not None
+    sw = [R] if has_sw else []
+    rules = [
+        [S(1), S(1), P, R, S(1), S(1), R, *idx, *sw],   # K sharded
+        [P, S(2), P, S(1), R, S(2), R, *idx, *sw],      # N sharded
+        [P, P, P, P, R, R, R, *idx, *sw],               # grad partial
+        [R, P, P, R, P, R, R, *idx, *sw],               # input partial
+        [P, R, P, R, R, P, R, *idx, *sw],               # weight partial
+    ]
+    if has_sw:
+        rules.append([P, P, R, R, R, R, R, *idx, P])
+    return rules
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused expert FFN
+# ---------------------------------------------------------------------------------------------
+
+
+def _hidden_f_shard(gated: bool):
+    # hidden [S, 2F] is cat(gate, up) along dim 1: with F sharded, a rank holds
+    # cat(gate_r, up_r), the right-to-left layout of _StridedShard(1, split_factor=2).
+    return _StridedShard(1, split_factor=2) if gated else S(1)
+
+
+def _ffn_weight_f_shards(activation: str, has_w3: bool):
+    """Placements of (w1, w2[, w3]) that shard the expert FFN dim F."""
+    gated = activation in GATED_ACTIVATIONS
+    if gated and not has_w3:
+        # fused w13 [E, D, 2F] = cat(gate, up): a rank needs cat(gate_r, up_r)
+        w1 = _StridedShard(2, split_factor=2)
+    else:
+        w1 = S(2)
+    return [w1, S(1)] + ([S(2)] if has_w3 else [])
+
+
+@register_single_dim_strategy(ops.grouped_ffn.default)
+def grouped_ffn_strategy(op, args, kwargs):
+    # (out [T, D], hidden [S, *]) <- x, sorted_ids, offs, topk_weights, w1, w2, w3?
+    x, sorted_ids, offs, topk_weights, w1, w2, w3, activation = (list(args) + [None] * 8)[:8]
+    activation = activation or kwargs.get("activation", "swiglu")
+    has_w3 = w3 is not None
+    gated = activation in GATED_ACTIVATIONS
+    n_w = 3 if has_w3 else 2
+    return [
+        # expert tensor parallel: F sharded, the down projection contracts it
+        [P, _hidden_f_shard(gated), R, R, R, R, *_ffn_weight_f_shards(activation, has_w3)],
+        # linear in the routing weights
+        [P, R, R, R, R, P, *([R] * n_w)],
+    ]
+
+
+@register_single_dim_strategy(ops.grouped_ffn_backward.default)
+def grouped_ffn_backward_strategy(op, args, kwargs):
+    # (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)
+    #   <- grad, x, sorted_ids, offs, topk_weights, w1, w2, w3?, hidden
+    (grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation) = (
+        list(args) + [None] * 10
+    )[:10]
+    has_w3 = w3 is not None
+    gated = activation in GATED_ACTIVATIONS
+    weights = _ffn_weight_f_shards(activation, has_w3)
+    grad_w3 = weights[2] if has_w3 else R  # an empty tensor when there is no w3
+    n_w = 3 if has_w3 else 2
+    return [
+        [P, P, weights[0], weights[1], grad_w3, R, R, R, R, R, *weights, _hidden_f_shard(gated)],
+        [P, P, P, P, P if has_w3 else R, P, R, R, R, R, *([R] * n_w), R],
+        [P, R, P, P, P if has_w3 else R, R, R, R, R, P, *([R] * n_w), R],
+    ]

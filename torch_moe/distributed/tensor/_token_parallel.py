@@ -1,0 +1,264 @@
+"""Token-parallel (and expert-tensor-parallel) execution of the MoE FFN on DTensors.
+
+The routing ops have no exact token-sharded rule (their index maps are global, see
+:mod:`torch_moe.distributed.tensor._ops._moe_ops`), but the routed FFN as a whole is exact on
+token shards: a token's output depends on that token only. So when ``moe_ffn`` or ``MoE``
+receives DTensors, every rank routes its own tokens and runs the local kernels through
+:func:`torch.distributed.tensor.experimental.local_map`; no token crosses a rank.
+
+Per mesh dimension the inputs must be in one of these layouts (anything else raises):
+
+===============  ================================  ==============================  ============
+mesh dim kind    tokens ``x`` (and routing tensors) expert weights                  routed out
+===============  ================================  ==============================  ============
+token parallel   ``Shard(d)``, ``d`` a token dim    ``Replicate``                   ``Shard(d)``
+expert TP (ETP)  ``Replicate``                     w1, w3 ``Shard(2)``, w2 ``Shard(1)``  ``Partial``
+replicated       ``Replicate``                     ``Replicate``                   ``Replicate``
+===============  ================================  ==============================  ============
+
+Gradients follow the same algebra (``in_grad_placements``): a parameter replicated over token
+shards, or any replicated tensor on an ETP dim, receives a ``Partial`` gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import local_map
+
+__all__ = ["MeshPlan", "plan_mesh", "token_parallel_moe_ffn"]
+
+R = Replicate()
+
+
+class MeshPlan:
+    """What each mesh dimension does: ``kinds[i]`` is ``"token"``, ``"etp"`` or ``"replicate"``;
+    ``token_dims[i]`` the tensor dim of ``x`` sharded on a token mesh dim."""
+
+    def __init__(self, mesh, kinds: list[str], token_dims: list[Optional[int]]):
+        self.mesh, self.kinds, self.token_dims = mesh, kinds, token_dims
+
+    def tokens(self, token_dim_shift: int = 0) -> tuple:
+        """Placements of a token-indexed tensor (sharded like x's token dim, shifted when the
+        tensor has fewer leading dims than x)."""
+        return tuple(
+            Shard(d - token_dim_shift) if k == "token" else R
+            for k, d in zip(self.kinds, self.token_dims)
+        )
+
+    def out(self, token_dim_shift: int = 0) -> tuple:
+        """Placements of the routed output (token-indexed, partial over ETP dims)."""
+        return tuple(
+            Shard(d - token_dim_shift) if k == "token" else (Partial() if k == "etp" else R)
+            for k, d in zip(self.kinds, self.token_dims)
+        )
+
+    def replicated(self) -> tuple:
+        return (R,) * len(self.kinds)
+
+    def replicated_grad(self) -> tuple:
+        """Gradient placements of a tensor replicated on every mesh dim: local gradients are
+        sums over the local tokens (token dims) or over the local F shard (ETP dims)."""
+        return tuple(R if k == "replicate" else Partial() for k in self.kinds)
+
+    def tokens_grad(self, token_dim_shift: int = 0) -> tuple:
+        return tuple(
+            Shard(d - token_dim_shift) if k == "token" else (Partial() if k == "etp" else R)
+            for k, d in zip(self.kinds, self.token_dims)
+        )
+
+    def expert_weight(self, etp_placement) -> tuple:
+        return tuple(etp_placement if k == "etp" else R for k in self.kinds)
+
+    def expert_weight_grad(self, etp_placement) -> tuple:
+        return tuple(
+            etp_placement if k == "etp" else (Partial() if k == "token" else R) for k in self.kinds
+        )
+
+    def counts(self) -> tuple:
+        return tuple(Partial() if k == "token" else R for k in self.kinds)
+
+
+def _placement_str(p) -> str:
+    return type(p).__name__ + (f"({p.dim})" if isinstance(p, Shard) else "()")
+
+
+def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTensor],
+              replicated: Sequence[tuple[str, Optional[torch.Tensor]]] = ()) -> MeshPlan:
+    """Classifies the mesh dims of ``x`` [..., D] and the expert weights, or raises."""
+    mesh = x.device_mesh
+    token_ndim = x.dim() - 1
+    weights = {"w1": w1, "w2": w2, "w3": w3}
+    for name, t in list(weights.items()) + list(replicated):
+        if t is None:
+            continue
+        if not isinstance(t, DTensor):
+            raise ValueError(
+                f"{op}: x is a DTensor, so {name} must be a DTensor on the same mesh too, but got "
+                f"a {type(t).__name__}"
+            )
+        if t.device_mesh != mesh:
+            raise ValueError(
+                f"{op}: expected {name} on the mesh of x ({mesh}), but it is on {t.device_mesh}"
+            )
+    etp = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
+    kinds, token_dims = [], []
+    for i, px in enumerate(x.placements):
+        wp = {n: t.placements[i] for n, t in weights.items() if t is not None}
+        if isinstance(px, Shard) and px.dim < token_ndim:
+            kind = "token"
+            bad = {n: p for n, p in wp.items() if not isinstance(p, Replicate)}
+        elif isinstance(px, Replicate):
+            kind = "etp" if all(p == etp[n] for n, p in wp.items()) else "replicate"
+            bad = {} if kind == "etp" else {
+                n: p for n, p in wp.items() if not isinstance(p, Replicate)
+            }
+        else:
+            raise ValueError(
+                f"{op}: on mesh dim {i}, expected x to be Shard(d) on a token dim (d < "
+                f"{token_ndim}) or Replicate, but got {px}: the hidden dim of the tokens cannot "
+                "be sharded across the expert FFN"
+            )
+        if bad:
+            got = ", ".join(f"{n} {p}" for n, p in bad.items())
+            want = ("Replicate (tokens are sharded on this mesh dim)" if kind == "token" else
+                    "all Replicate, or w1/w3 Shard(2) with w2 Shard(1) (expert tensor parallel)")
+            raise ValueError(f"{op}: on mesh dim {i}, expected expert weights {want}, but got {got}")
+        for name, t in replicated:
+            if t is not None and not isinstance(t.placements[i], Replicate):
+                raise ValueError(
+                    f"{op}: on mesh dim {i}, expected {name} to be Replicate, but got "
+                    f"{t.placements[i]}"
+                )
+        kinds.append(kind)
+        token_dims.append(px.dim if kind == "token" else None)
+    return MeshPlan(mesh, kinds, token_dims)
+
+
+def token_parallel_moe_ffn(x: DTensor, topk_ids: DTensor, topk_weights: DTensor, w1: DTensor,
+                           w2: DTensor, w3: Optional[DTensor], local_fn: Callable) -> DTensor:
+    """Runs ``local_fn(x, topk_ids, topk_weights, w1, w2, w3)`` (the plain ``moe_ffn``) on every
+    rank's tokens. ``x [T, D]``; ``topk_ids`` / ``topk_weights [T, k]`` sharded like ``x``."""
+    op = "moe_ffn"
+    plan = plan_mesh(op, x, w1, w2, w3)
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, DTensor) or t.placements != plan.tokens():
+            got = t.placements if isinstance(t, DTensor) else type(t).__name__
+            raise ValueError(
+                f"{op}: expected {name} to be a DTensor placed like the tokens of x "
+                f"{plan.tokens()}, but got {got}"
+            )
+    etp = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
+    weights = [("w1", w1), ("w2", w2)] + ([("w3", w3)] if w3 is not None else [])
+    in_pl = [plan.tokens(), plan.tokens(), plan.tokens()] + [plan.expert_weight(etp[n]) for n, _ in weights]
+    in_grad = [plan.tokens_grad(), plan.tokens(), plan.tokens_grad()] + [
+        plan.expert_weight_grad(etp[n]) for n, _ in weights
+    ]
+
+    def run(x_, ids_, tw_, *ws):
+        return local_fn(x_, ids_, tw_, *ws, *([None] if w3 is None else []))
+
+    fn = local_map(run, out_placements=(plan.out(),), in_placements=tuple(in_pl),
+                   in_grad_placements=tuple(in_grad), device_mesh=plan.mesh)
+    return fn(x, topk_ids, topk_weights, *(t for _, t in weights))
+
+
+class _Bound(torch.nn.Module):
+    """Calls ``moe.<method>`` so that ``torch.func.functional_call`` can swap the layer's
+    parameters for their local shards (parameter names are prefixed with ``moe.``)."""
+
+    def __init__(self, moe, method: str):
+        super().__init__()
+        self.moe, self.method = moe, method
+
+    def forward(self, *args):
+        return getattr(self.moe, self.method)(*args)
+
+
+def _local_value(t: torch.Tensor) -> torch.Tensor:
+    # Under LocalTensorMode (one process simulating every rank) a replicated result is a
+    # LocalTensor holding the same value for each rank; buffers hold plain tensors.
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(t, LocalTensor):
+        return t._local_tensors[min(t._local_tensors)]
+    return t
+
+
+def moe_layer_forward(moe, x: DTensor) -> DTensor:
+    """``MoE.forward`` on a DTensor ``x [B, L, D]`` or ``[T, D]`` with DTensor parameters:
+    routing, routed experts and auxiliary losses run on each rank's tokens; shared experts run
+    replicated on the tokens of each rank and are added in DTensor land (the routed output is
+    Partial over expert-tensor-parallel dims, the shared one is not)."""
+    op = "MoE"
+    c = moe.config
+    params = dict(moe.named_parameters())
+    expert = {n: params.get(f"experts.{n}") for n in ("w1", "w2", "w3")}
+    others = [(n, p) for n, p in params.items() if not n.startswith("experts.")]
+    plan = plan_mesh(op, x, expert["w1"], expert["w2"], expert["w3"], replicated=others)
+    if x.dim() == 3 and any(d == 1 for d in plan.token_dims if d is not None):
+        seq_sharded = True
+    else:
+        seq_sharded = False
+    if seq_sharded and c.seq_balance_coeff > 0:
+        raise ValueError(
+            f"{op}: the sequence-wise balance loss needs whole sequences on each rank, but x is "
+            "sharded along the sequence dim"
+        )
+    etp = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
+    routed_names = [n for n in params if n.startswith("router.") or n.startswith("experts.")]
+    routed_in = [plan.tokens()] + [
+        plan.expert_weight(etp[n.split(".")[1]]) if n.startswith("experts.") else plan.replicated()
+        for n in routed_names
+    ]
+    routed_grad = [plan.tokens_grad()] + [
+        plan.expert_weight_grad(etp[n.split(".")[1]]) if n.startswith("experts.")
+        else plan.replicated_grad()
+        for n in routed_names
+    ]
+    seq_len_local = x.to_local().size(1) if x.dim() == 3 else x.to_local().size(0)
+    routed = _Bound(moe, "routed_forward")
+
+    def run_routed(x_local, *p_local):
+        x_TD = x_local.reshape(-1, c.dim)
+        local = {f"moe.{n}": t for n, t in zip(routed_names, p_local)}
+        y, counts, dropped = torch.func.functional_call(routed, local, (x_TD, seq_len_local))
+        if dropped is None:
+            dropped = counts.new_zeros(())
+        return y.to(x_local.dtype).view(x_local.shape), counts, dropped
+
+    y, counts, dropped = local_map(
+        run_routed,
+        out_placements=(plan.out(), plan.counts(), plan.counts()),
+        in_placements=tuple(routed_in),
+        in_grad_placements=tuple(routed_grad),
+        device_mesh=plan.mesh,
+    )(x, *(params[n] for n in routed_names))
+    if moe.training:
+        moe.record_load(_local_value(counts.full_tensor()),
+                        _local_value(dropped.full_tensor()) if c.capacity_factor is not None else None)
+    if moe.shared_experts is None:
+        return y
+    shared_names = [n for n in params if n.startswith("shared_experts.")]
+    shared = _Bound(moe, "shared_experts")
+
+    def run_shared(x_local, *p_local):
+        local = {f"moe.{n}": t for n, t in zip(shared_names, p_local)}
+        out = torch.func.functional_call(shared, local, (x_local.reshape(-1, c.dim),))
+        return out.to(x_local.dtype).view(x_local.shape)
+
+    # shared experts see every rank's own tokens with replicated weights: their gradients are
+    # partial over token dims only
+    shared_grad = tuple(Partial() if k == "token" else R for k in plan.kinds)
+    y_shared = local_map(
+        run_shared,
+        out_placements=(plan.tokens(),),
+        in_placements=(plan.tokens(),) + (plan.replicated(),) * len(shared_names),
+        in_grad_placements=(tuple(Shard(d) if k == "token" else R
+                                  for k, d in zip(plan.kinds, plan.token_dims)),)
+        + (shared_grad,) * len(shared_names),
+        device_mesh=plan.mesh,
+    )(x, *(params[n] for n in shared_names))
+    return y + y_shared
