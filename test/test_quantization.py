@@ -423,6 +423,36 @@ class TestQuantizedGroupedMM(TestCase):
                   else ops.quantize_fp8_rowwise(w.detach(), 1))
         opcheck_fp8(self, ops.scaled_grouped_mm, (qa, qb, sa, sb, offs, torch.bfloat16))
 
+    @parametrize("recipe", ["mxfp8", "fp8_rowwise"])
+    def test_each_gemm_is_the_documented_composition(self, recipe):
+        # Bit for bit: every GEMM equals the fp32 grouped GEMM of its operands quantized along
+        # that GEMM's contraction dim and dequantized, rounded once. A wrong quantization axis
+        # changes the SQNR too little to be seen; this sees it.
+        g = torch.Generator().manual_seed(0)
+        M, K, N, E = 224, 64, 96, 3
+        offs = _groups_ends([64, 0, 128])  # 32 rows past offs[-1]
+        # weights whose magnitude varies along K and along N, so blocks along one or the
+        # other differ
+        w = (torch.randn(E, K, N, generator=g) * torch.logspace(-2, 2, K)[:, None]
+             * torch.logspace(2, -2, N)).bfloat16().requires_grad_()
+        x = torch.randn(M, K, generator=g).bfloat16().requires_grad_()
+        dy = torch.randn(M, N, generator=g).bfloat16()
+        out = ops.quantized_grouped_mm(x, w, offs, recipe, "rceil", False)
+        out.backward(dy)
+
+        def qdq(t, dim, offs=None):
+            if recipe == "mxfp8":
+                return ops.dequantize_mxfp8(*ops.quantize_mxfp8(t, dim), dim)
+            return ops.dequantize_fp8_rowwise(*ops.quantize_fp8_rowwise(t, dim, offs), dim, offs)
+
+        gmm = torch_moe.grouped_mm
+        self.assertEqual(out, gmm(qdq(x, 1), qdq(w, 1), offs).bfloat16(), atol=0, rtol=0)
+        dx = gmm(qdq(dy, 1), qdq(w, 2).transpose(1, 2), offs).bfloat16()
+        self.assertEqual(x.grad, dx, atol=0, rtol=0)
+        rows = M - M % 32
+        dw = gmm(qdq(x[:rows], 0, offs).t(), qdq(dy[:rows], 0, offs), offs).bfloat16()
+        self.assertEqual(w.grad, dw, atol=0, rtol=0)
+
     def test_opcheck_quantizers(self):
         x = torch.randn(64, 96, dtype=torch.bfloat16)
         for mode in ("rceil", "floor"):
@@ -434,6 +464,13 @@ class TestQuantizedGroupedMM(TestCase):
         torch.library.opcheck(ops.quantize_fp8_rowwise, (x, 0, _groups_ends([16, 0, 32])))
         d, s = ops.quantize_fp8_rowwise(x, 0)
         opcheck_fp8(self, ops.dequantize_fp8_rowwise, (d, s, 0, None, torch.float32))
+        # non-contiguous inputs give the contiguous outputs the fake kernels promise
+        xt = torch.randn(96, 64, dtype=torch.bfloat16).t()
+        torch.library.opcheck(ops.quantize_mxfp8, (xt, 1))
+        torch.library.opcheck(ops.quantize_fp8_rowwise, (xt, 1))
+        torch.library.opcheck(ops.quantize_fp8_rowwise, (xt.t(), 1, _groups_ends([16, 0, 48])))
+        d2, s2 = ops.quantize_mxfp8(torch.randn(64, 64))
+        opcheck_fp8(self, ops.dequantize_mxfp8, (d2.t(), s2.t(), 0, torch.float32))
         torch.library.opcheck(ops.swizzle_mx_scale, (scale,))
         torch.library.opcheck(ops.unswizzle_mx_scale, (ops.swizzle_mx_scale(scale), 64, 3))
 
@@ -622,6 +659,20 @@ class TestQuantizationBadInput(TestCase):
             self.message(ops.scaled_grouped_mm, torch.randn(32, 32), torch.randn(1, 32, 16),
                          torch.ones(32, 1), torch.ones(1, 1, 16), i32(32)),
             """torch_moe.scaled_grouped_mm: expected mat_a to be float8_e4m3fn, float8_e5m2, but got torch.float32""",
+        )
+
+    def test_empty_rowwise_dim(self):
+        self.assertExpectedInline(
+            self.message(ops.quantize_fp8_rowwise, torch.randn(4, 0), 1),
+            """torch_moe.quantize_fp8_rowwise: expected a non-empty reduced dim, but x.size(1) is 0 (a scale of nothing is undefined)""",
+        )
+
+    def test_quantized_ffn_wrong_down_projection(self):
+        x, ids, w = torch.randn(8, 64), torch.zeros(8, 1, dtype=torch.long), torch.ones(8, 1)
+        self.assertExpectedInline(
+            self.message(moe_ffn, x, ids, w, torch.randn(2, 64, 32), torch.randn(2, 32, 96),
+                         torch.randn(2, 64, 32), precision="mxfp8"),
+            """quantized_expert_ffn: expected w1 [2, 64, F] and w2 [2, 32, 64] for x [T, 64], but got w1 (2, 64, 32) and w2 (2, 32, 96)""",
         )
 
     def test_moe_config_and_moe_ffn(self):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS
-from torch_moe.quantization import PRECISIONS
+from torch_moe.quantization import PRECISIONS, SCALE_MODES
 from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
 
 __all__ = [
@@ -80,6 +80,8 @@ def moe_ffn(
         raise ValueError(f"moe_ffn: expected w1 to be 3-D [E, D, F], but got shape {tuple(w1.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"moe_ffn: expected precision in {PRECISIONS}, but got {precision!r}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"moe_ffn: expected scale_mode in {SCALE_MODES}, but got {scale_mode!r}")
     if type(x).__name__ == "DTensor":
         # every rank routes its own tokens: see torch_moe.distributed.tensor._token_parallel
         from torch_moe.distributed.tensor._token_parallel import token_parallel_moe_ffn

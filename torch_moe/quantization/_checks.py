@@ -1,7 +1,8 @@
-"""Input checks of the quantization ops, shared by their fake and device kernels.
+"""Input checks of the quantization ops.
 
-Metadata checks only (shape, dtype, device); value checks (offsets, group alignment) are
-in :func:`check_group_offsets`, which the device kernels call.
+The metadata checks (shape, dtype, device) are shared by the fake and device kernels; the value
+checks (:func:`check_group_offsets`, :func:`check_rowwise_scale_values`) are called by the
+device kernels only: they raise on CPU and assert on device elsewhere, with no host sync.
 """
 
 import torch
@@ -159,3 +160,11 @@ def check_rowwise_scale_values(op: str, name: str, scale: torch.Tensor) -> None:
             f"{op}: expected {name} to hold positive finite scales (or NaN for a non-finite "
             f"row), but got {scale[where].item()} at index {where}"
         )
+
+
+def check_same_device(op: str, a: torch.Tensor, b: torch.Tensor, a_name: str, b_name: str) -> None:
+    torch._check(
+        a.device == b.device,
+        lambda: f"{op}: expected {a_name} and {b_name} on one device, but {a_name} is on "
+        f"{a.device} and {b_name} on {b.device}",
+    )

@@ -398,6 +398,9 @@ def scaled_grouped_mm_cuda(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch
     two_d_three_d = mat_b.dim() == 3
     grouped = mat_a.size(0) if two_d_three_d else mat_a.size(1)
     C.check_group_offsets(_OP, offs, grouped, C.GROUP_ALIGNMENT[recipe])
+    if recipe == "fp8_rowwise":
+        C.check_rowwise_scale_values(_OP, "scale_a", scale_a)
+        C.check_rowwise_scale_values(_OP, "scale_b", scale_b)
     shape = S.output_shape(mat_a, mat_b, offs)
     # Nothing to multiply (no groups, an empty contraction) or nothing to write: the kernels'
     # stride checks reject zero sizes, and the answer is zeros anyway.

@@ -8,6 +8,8 @@ small) or on the round-to-nearest of ``.to(torch.float8_e8m0fnu)``.
 E8M0 byte ``b`` (OCP MX v1.0): ``2 ** (b - 127)`` for ``b`` in 0..254, NaN for 255.
 """
 
+import struct
+
 import torch
 
 __all__ = [
@@ -31,6 +33,10 @@ _ELEM_FORMATS = {
     torch.float8_e5m2: (57344.0, 15),
 }
 ELEM_DTYPES = tuple(_ELEM_FORMATS)
+# fl32(1 / max_normal), the reciprocal the RCEIL kernels multiply by
+_RECIPROCAL_MAX = {
+    dtype: struct.unpack("<f", struct.pack("<f", 1.0 / m))[0] for dtype, (m, _) in _ELEM_FORMATS.items()
+}
 SCALE_MODES = ("rceil", "floor")
 
 _MANT_BITS = 23
@@ -69,8 +75,8 @@ def _rceil_bytes(amax: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
     # cuBLAS / TransformerEngine: the smallest power of two >= fl32(amax * fl32(1 / max_normal)).
     # (Multiplying by the rounded reciprocal or dividing by max_normal gives the same byte for
     # E4M3: fl(1/448) * 448 - 1 < 2**-24.)
-    recip = torch.tensor(1.0 / max_normal(elem_dtype), dtype=torch.float32, device=amax.device)
-    return round_up_to_e8m0(amax * recip)
+    # A Python float already rounded to fp32: no host-to-device copy (and no sync) per call.
+    return round_up_to_e8m0(amax * _RECIPROCAL_MAX[elem_dtype])
 
 
 def scale_bytes(amax: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> torch.Tensor:

@@ -75,7 +75,8 @@ def check_quantize_mxfp8(x, dim, elem_dtype, scale_mode) -> int:
 
 def quantize_mxfp8(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="rceil"):
     d = check_quantize_mxfp8(x, dim, elem_dtype, scale_mode)
-    blocks = x.to(_work_dtype(x)).unflatten(d, (-1, BLOCK_SIZE))  # [..., nb, B, ...]
+    # contiguous outputs whatever the input strides (what the fake kernel promises)
+    blocks = x.to(_work_dtype(x)).contiguous().unflatten(d, (-1, BLOCK_SIZE))  # [..., nb, B, ...]
     scale = scale_bytes(_abs_max(blocks, d + 1), elem_dtype, scale_mode)
     # x * 2**(127 - b) is exact (a power of two); a NaN reciprocal (b = 255) makes the whole
     # block NaN, as the spec asks of a NaN scale.
@@ -91,12 +92,13 @@ def check_dequantize_mxfp8(data, scale, dim, out_dtype) -> int:
     d = C.wrap_dim(op, dim, data.dim())
     C.check_block_dim(op, "data", data, d)
     C.check_mx_scale(op, "scale", scale, C.mx_scale_shape(data.shape, d))
+    C.check_same_device(op, data, scale, "data", "scale")
     return d
 
 
 def dequantize_mxfp8(data, scale, dim=-1, out_dtype=torch.float32):
     d = check_dequantize_mxfp8(data, scale, dim, out_dtype)
-    blocks = data.float().unflatten(d, (-1, BLOCK_SIZE))
+    blocks = data.contiguous().float().unflatten(d, (-1, BLOCK_SIZE))
     factor = e8m0_to_float(_as_bytes(scale)).unsqueeze(d + 1)
     return (blocks * factor).flatten(d, d + 1).to(out_dtype)
 
@@ -114,9 +116,15 @@ def check_quantize_fp8_rowwise(x, dim, offs) -> tuple:
     op = "torch_moe.quantize_fp8_rowwise"
     C.check_quantizable(op, "x", x)
     d = C.wrap_dim(op, dim, x.dim())
+    torch._check(
+        x.size(d) > 0,
+        lambda: f"{op}: expected a non-empty reduced dim, but x.size({d}) is 0 (a scale of "
+        "nothing is undefined)",
+    )
     G = 1
     if offs is not None:
         C.check_group_offsets_meta(op, offs)
+        C.check_same_device(op, x, offs, "x", "offs")
         G = offs.size(0)
     return d, G
 
@@ -129,7 +137,7 @@ def _segment_lengths(offs: torch.Tensor, n: int) -> torch.Tensor:
 
 def quantize_fp8_rowwise(x, dim=-1, offs=None):
     d, G = check_quantize_fp8_rowwise(x, dim, offs)
-    xw = x.to(_work_dtype(x))
+    xw = x.to(_work_dtype(x)).contiguous()
     if offs is None:
         scale = pow2_ceil_scale(_abs_max(xw, d), _FP8_ROWWISE_DTYPE)
         return _to_elem(xw * scale.reciprocal().to(xw.dtype), _FP8_ROWWISE_DTYPE), scale
@@ -139,13 +147,17 @@ def quantize_fp8_rowwise(x, dim=-1, offs=None):
     # its own, which belongs to no GEMM group and quantizes to zero.
     lengths = _segment_lengths(offs, n)
     xt = xw.movedim(d, 0)
-    amax = torch.segment_reduce(xt.abs(), "max", lengths=lengths, axis=0)  # [G + 1, ...]
+    # unsafe=True: the offsets were validated above; the safe mode reads them on the host
+    amax = torch.segment_reduce(xt.abs(), "max", lengths=lengths, axis=0, unsafe=True)
     amax = amax[:G].float().clamp_(min=0)  # an empty group reduces to -inf
     scale_t = pow2_ceil_scale(amax, _FP8_ROWWISE_DTYPE)
     recip = torch.cat([scale_t.reciprocal(), scale_t.new_zeros((1, *scale_t.shape[1:]))])
     recip_rows = torch.repeat_interleave(recip.to(xw.dtype), lengths, dim=0, output_size=n)
-    data = _to_elem(xt * recip_rows, _FP8_ROWWISE_DTYPE).movedim(0, d)
-    return data, scale_t.movedim(0, d)
+    q = xt * recip_rows
+    in_group = torch.arange(n, device=x.device) < offs[-1] if G else torch.zeros(n, dtype=torch.bool, device=x.device)
+    q = torch.where(in_group.view(-1, *([1] * (q.dim() - 1))), q, 0)  # Inf * 0 would be NaN
+    data = _to_elem(q, _FP8_ROWWISE_DTYPE).movedim(0, d).contiguous()
+    return data, scale_t.movedim(0, d).contiguous()
 
 
 def check_dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype) -> int:
@@ -158,6 +170,9 @@ def check_dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype) -> int:
         C.check_group_offsets_meta(op, offs)
         G = offs.size(0)
     C.check_rowwise_scale(op, "scale", scale, C.rowwise_scale_shape(data.shape, d, G))
+    C.check_same_device(op, data, scale, "data", "scale")
+    if offs is not None:
+        C.check_same_device(op, data, offs, "data", "offs")
     return d
 
 
@@ -171,7 +186,7 @@ def dequantize_fp8_rowwise(data, scale, dim=-1, offs=None, out_dtype=torch.float
     scale_t = scale.movedim(d, 0)
     padded = torch.cat([scale_t, scale_t.new_zeros((1, *scale_t.shape[1:]))])
     rows = torch.repeat_interleave(padded, _segment_lengths(offs, n), dim=0, output_size=n)
-    return (df.movedim(d, 0) * rows).movedim(0, d).to(out_dtype)
+    return (df.movedim(d, 0) * rows).movedim(0, d).to(out_dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

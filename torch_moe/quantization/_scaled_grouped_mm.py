@@ -2,8 +2,9 @@
 
 The CPU kernel is an emulation that is exact in what it promises: both operands are
 dequantized to fp32 (exact: an FP8 value times a power of two), multiplied group by group with
-fp32 accumulation, and rounded once to ``out_dtype``. A hardware kernel differs from it only by
-its accumulation order (and, with ``use_fast_accum``, its accumulator width).
+fp32 accumulation, and rounded once to ``out_dtype``. The CUDA kernel (``_cuda.py``) differs by
+its accumulation order and, because ``torch._scaled_grouped_mm`` and ``torch._grouped_mm`` write
+bf16 only on CUDA in torch 2.13, by a rounding through bf16 when ``out_dtype`` is fp32 or fp16.
 
 Layouts (``offs [G]`` int32 group ends along M):
 

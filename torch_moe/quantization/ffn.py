@@ -46,8 +46,10 @@ def quantized_expert_ffn(
     """
     if precision not in RECIPES:
         raise ValueError(f"quantized_expert_ffn: expected precision in {RECIPES}, but got {precision!r}")
-    from torch_moe.nn.functional import activation as act_fn
     from torch_moe._checks import GATED_ACTIVATIONS
+    from torch_moe.nn.functional import activation as act_fn
+
+    _check_shapes(x_TD, w1_EDF, w2_EFD, w3_EDF, activation in GATED_ACTIVATIONS)
 
     def gmm(a, w):
         return ops.quantized_grouped_mm(a, w, offs_E, precision, scale_mode, wgrad_high_precision)
@@ -65,6 +67,23 @@ def quantized_expert_ffn(
         a_SF = act_fn(activation, h_SF, alpha=alpha, limit=limit)
     y_SD = gmm(a_SF, w2_EFD)
     return ops.unpermute(y_SD, sorted_ids_S, topk_weights_TK)
+
+
+def _check_shapes(x, w1, w2, w3, gated: bool) -> None:
+    # Plain raises (Dynamo traces this function; torch._check message closures would break the
+    # graph). The GEMM ops check their own operands; these are the cross-GEMM contracts that no
+    # single op sees.
+    op = "quantized_expert_ffn"
+    if x.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{op}: expected x [T, D], w1 [E, D, F] and w2 [E, F, D], but got shapes "
+                         f"{tuple(x.shape)}, {tuple(w1.shape)} and {tuple(w2.shape)}")
+    E, D = w1.size(0), x.size(1)
+    F = w1.size(2) // 2 if gated and w3 is None else w1.size(2)
+    if w3 is not None and w3.shape != w1.shape:
+        raise ValueError(f"{op}: expected w3 of the shape of w1 {tuple(w1.shape)}, but got {tuple(w3.shape)}")
+    if w1.size(1) != D or tuple(w2.shape) != (E, F, D):
+        raise ValueError(f"{op}: expected w1 [{E}, {D}, F] and w2 [{E}, {F}, {D}] for x [T, {D}], but "
+                         f"got w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}")
 
 
 def group_alignment(precision: str) -> int:
