@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder,
     register_single_dim_strategy,
@@ -38,6 +39,12 @@ ops = torch.ops.torch_moe
 
 R = Replicate()
 P = Partial()
+
+
+def _schema(first_non_tensor: int, *kwargs: str) -> RuntimeSchemaInfo:
+    # DTensor caches a sharding decision per input specs; the non-tensor arguments from
+    # ``first_non_tensor`` on (and these keywords) change shapes or rules, so they join the key.
+    return RuntimeSchemaInfo(static_argnum=first_non_tensor, static_kwargkey=list(kwargs))
 
 
 def S(dim: int) -> _ShardingPlaceholder:
@@ -53,19 +60,19 @@ def _present(*tensors) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
-@register_single_dim_strategy(ops.token_sort.default)
+@register_single_dim_strategy(ops.token_sort.default, _schema(1, "num_experts", "align"))
 def token_sort_strategy(op, args, kwargs):
     # sorted_ids / offs are global index maps of all tokens: nothing but Replicate is exact.
     return []
 
 
-@register_single_dim_strategy(ops.permute.default)
+@register_single_dim_strategy(ops.permute.default, _schema(2, "top_k"))
 def permute_strategy(op, args, kwargs):
     # out [S, D] <- x [T, D], sorted_ids [S]: a copy of rows, so columns shard and sums pass.
     return [[S(1), S(1), R], [P, P, R]]
 
 
-@register_single_dim_strategy(ops.permute_backward.default)
+@register_single_dim_strategy(ops.permute_backward.default, _schema(2, "top_k", "num_tokens"))
 def permute_backward_strategy(op, args, kwargs):
     # grad_x [T, D] <- grad [S, D], sorted_ids [S]: a sum of rows.
     return [[S(1), S(1), R], [P, P, R]]
@@ -114,7 +121,7 @@ def grouped_mm_strategy(op, args, kwargs):
     return grouped_mm_rules(len(a.shape), len(b.shape))
 
 
-@register_single_dim_strategy(ops.indexed_grouped_mm.default)
+@register_single_dim_strategy(ops.indexed_grouped_mm.default, _schema(3, "num_out_rows"))
 def indexed_grouped_mm_strategy(op, args, kwargs):
     # out <- input [rows, K], weight [G, K, N], offs, gather?, scatter?, scatter_weight?
     _, _, _, gather, scatter, scatter_weight = (list(args) + [None] * 6)[:6]
@@ -132,7 +139,7 @@ def indexed_grouped_mm_strategy(op, args, kwargs):
     return rules
 
 
-@register_single_dim_strategy(ops.indexed_grouped_mm_backward.default)
+@register_single_dim_strategy(ops.indexed_grouped_mm_backward.default, _schema(4, "output_mask"))
 def indexed_grouped_mm_backward_strategy(op, args, kwargs):
     # (grad_input [rows, K], grad_weight [G, K, N], grad_scatter_weight [S])
     #   <- grad [out_rows, N], input, weight, offs, gather?, scatter?, scatter_weight?
@@ -174,7 +181,7 @@ def _ffn_weight_f_shards(activation: str, has_w3: bool):
     return [w1, S(1)] + ([S(2)] if has_w3 else [])
 
 
-@register_single_dim_strategy(ops.grouped_ffn.default)
+@register_single_dim_strategy(ops.grouped_ffn.default, _schema(6, "activation", "alpha", "limit"))
 def grouped_ffn_strategy(op, args, kwargs):
     # (out [T, D], hidden [S, *]) <- x, sorted_ids, offs, topk_weights, w1, w2, w3?
     x, sorted_ids, offs, topk_weights, w1, w2, w3, activation = (list(args) + [None] * 8)[:8]
@@ -190,7 +197,7 @@ def grouped_ffn_strategy(op, args, kwargs):
     ]
 
 
-@register_single_dim_strategy(ops.grouped_ffn_backward.default)
+@register_single_dim_strategy(ops.grouped_ffn_backward.default, _schema(7, "activation", "alpha", "limit"))
 def grouped_ffn_backward_strategy(op, args, kwargs):
     # (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)
     #   <- grad, x, sorted_ids, offs, topk_weights, w1, w2, w3?, hidden

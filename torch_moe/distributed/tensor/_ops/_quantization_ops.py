@@ -13,7 +13,7 @@ import math
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
 from torch_moe.quantization._formats import BLOCK_SIZE
@@ -23,25 +23,32 @@ R = Replicate()
 P = Partial()
 
 
+def _schema(first_non_tensor: int, *kwargs: str) -> RuntimeSchemaInfo:
+    # the non-tensor arguments (dims, dtypes, recipes) change shapes or rules, so they join
+    # DTensor's sharding cache key
+    return RuntimeSchemaInfo(static_argnum=first_non_tensor, static_kwargkey=list(kwargs))
+
+
 def _wrap(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def _blocks_whole(block_dims: dict[int, int]):
-    """``is_valid_strategy_cb``: every input in ``block_dims`` (input index -> tensor dim) that
-    is sharded along that dim must have shards of whole MX blocks."""
+def _blocks_whole(block_dims: dict[int, int | tuple[int, ...]]):
+    """``is_valid_strategy_cb``: every input in ``block_dims`` (input index -> tensor dim or
+    dims) that is sharded along such a dim must have shards of whole MX blocks."""
 
     def valid(input_specs, output_specs) -> bool:
         for i, spec in enumerate(input_specs):
-            d = block_dims.get(i)
-            if d is None or spec is None:
+            dims = block_dims.get(i)
+            if dims is None or spec is None:
                 continue
-            parts = math.prod(
-                spec.mesh.size(m) for m, p in enumerate(spec.placements) if p.is_shard(d)
-            )
-            size = spec.tensor_meta.shape[d]
-            if parts > 1 and size % (parts * BLOCK_SIZE) != 0:
-                return False
+            for d in (dims,) if isinstance(dims, int) else dims:
+                parts = math.prod(
+                    spec.mesh.size(m) for m, p in enumerate(spec.placements) if p.is_shard(d)
+                )
+                size = spec.tensor_meta.shape[d]
+                if parts > 1 and size % (parts * BLOCK_SIZE) != 0:
+                    return False
         return True
 
     return valid
@@ -62,7 +69,7 @@ def _ndim(strategy) -> int:
     return strategy.ndim
 
 
-@register_op_strategy(ops.quantize_mxfp8.default, schema_info=None)
+@register_op_strategy(ops.quantize_mxfp8.default, schema_info=_schema(1, "dim", "elem_dtype", "scale_mode"))
 def quantize_mxfp8_strategy(op_schema: OpSchema) -> OpStrategy:
     # (data, scale) <- x: any dim; the block dim only in whole blocks
     x = op_schema.args_schema[0]
@@ -72,7 +79,7 @@ def quantize_mxfp8_strategy(op_schema: OpSchema) -> OpStrategy:
     return _expand(op_schema, rules, 2, _blocks_whole({0: dim}))
 
 
-@register_op_strategy(ops.dequantize_mxfp8.default)
+@register_op_strategy(ops.dequantize_mxfp8.default, schema_info=_schema(2, "dim", "out_dtype"))
 def dequantize_mxfp8_strategy(op_schema: OpSchema) -> OpStrategy:
     # out <- data, scale: sharded together along any dim (whole blocks along the block dim)
     data = op_schema.args_schema[0]
@@ -82,7 +89,7 @@ def dequantize_mxfp8_strategy(op_schema: OpSchema) -> OpStrategy:
     return _expand(op_schema, rules, 1, _blocks_whole({0: dim}))
 
 
-@register_op_strategy(ops.quantize_fp8_rowwise.default)
+@register_op_strategy(ops.quantize_fp8_rowwise.default, schema_info=_schema(1, "dim"))
 def quantize_fp8_rowwise_strategy(op_schema: OpSchema) -> OpStrategy:
     # (data, scale) <- x, offs?: every dim but the reduced one
     x = op_schema.args_schema[0]
@@ -94,7 +101,7 @@ def quantize_fp8_rowwise_strategy(op_schema: OpSchema) -> OpStrategy:
     return _expand(op_schema, rules, 2)
 
 
-@register_op_strategy(ops.dequantize_fp8_rowwise.default)
+@register_op_strategy(ops.dequantize_fp8_rowwise.default, schema_info=_schema(2, "dim", "out_dtype"))
 def dequantize_fp8_rowwise_strategy(op_schema: OpSchema) -> OpStrategy:
     # out <- data, scale, offs?: data and scale together; the reduced dim with the scale
     # replicated (one scale for the whole dim), unless groups split it
@@ -116,7 +123,7 @@ def swizzle_mx_scale_strategy(op_schema: OpSchema) -> OpStrategy:
     return _expand(op_schema, [[Shard(d), Shard(d)] for d in range(nd - 2)], 1)
 
 
-@register_op_strategy(ops.unswizzle_mx_scale.default)
+@register_op_strategy(ops.unswizzle_mx_scale.default, schema_info=_schema(1, "rows", "cols"))
 def unswizzle_mx_scale_strategy(op_schema: OpSchema) -> OpStrategy:
     nd = _ndim(op_schema.args_schema[0])
     return _expand(op_schema, [[Shard(d), Shard(d)] for d in range(nd - 1)], 1)
@@ -127,7 +134,7 @@ def _is_mx(scale_strategy) -> bool:
     return spec.tensor_meta.dtype in (torch.uint8, torch.float8_e8m0fnu)
 
 
-@register_op_strategy(ops.scaled_grouped_mm.default)
+@register_op_strategy(ops.scaled_grouped_mm.default, schema_info=_schema(5, "out_dtype"))
 def scaled_grouped_mm_strategy(op_schema: OpSchema) -> OpStrategy:
     # out <- mat_a, mat_b, scale_a, scale_b, offs
     a, b, scale_a = op_schema.args_schema[:3]
@@ -145,7 +152,7 @@ def scaled_grouped_mm_strategy(op_schema: OpSchema) -> OpStrategy:
     return _expand(op_schema, rules, 1, cb)
 
 
-@register_op_strategy(ops.quantized_grouped_mm.default)
+@register_op_strategy(ops.quantized_grouped_mm.default, schema_info=_schema(3, "recipe", "scale_mode", "wgrad_high_precision"))
 def quantized_grouped_mm_strategy(op_schema: OpSchema) -> OpStrategy:
     # out [M, N] <- input [M, K], weight [G, K, N], offs: quantization runs along K per row of
     # input and per (g, n) of weight, so N shards in both recipes; K shards only for MXFP8 in
@@ -155,5 +162,6 @@ def quantized_grouped_mm_strategy(op_schema: OpSchema) -> OpStrategy:
     cb = None
     if recipe == "mxfp8":
         rules.append([P, Shard(1), Shard(1), R])
-        cb = _blocks_whole({0: 1, 1: 1})
+        # K in whole blocks (forward), and N too: the backward quantizes along N
+        cb = _blocks_whole({0: 1, 1: (1, 2)})
     return _expand(op_schema, rules, 1, cb)
