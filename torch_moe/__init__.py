@@ -19,6 +19,12 @@ from torch_moe._functional_ops import (
 from torch_moe import quantization  # noqa: F401
 from torch_moe import nn  # noqa: F401
 
+# Inductor lowerings and decompositions: registered before the first compile, without
+# importing Inductor here (torch_moe._inductor).
+from torch_moe import _inductor as _inductor_support  # noqa: E402
+
+_inductor_support.install()
+
 # DTensor sharding strategies register with ``import torch_moe.distributed.tensor`` (done here
 # when the program already uses DTensor, and by moe_ffn / MoE when they receive a DTensor):
 # importing torch.distributed.tensor costs about two seconds that non-distributed users skip.
