@@ -10,12 +10,13 @@ skipped).
 
 What has no rule, and why:
 
-* Sharding tokens (dim 0 of ``x`` / ``topk_ids``) or slots (dim 0 of ``sorted_ids``). The
-  routing tensors are global index maps: ``token_sort`` of a token shard is not a shard of
-  ``token_sort`` of all tokens, and ``permute`` / ``unpermute`` / ``grouped_ffn`` index rows
-  across the whole token dim. Token (data) parallelism is exact one level up, where a row's
-  output depends on that row only: ``moe_ffn`` routes every shard on its own
-  (:func:`torch_moe.distributed.tensor.token_parallel_moe_ffn`).
+* Sharding tokens (dim 0 of ``x`` / ``topk_ids``). The routing tensors are global index maps:
+  ``token_sort`` of a token shard is not a shard of ``token_sort`` of all tokens, and
+  ``permute`` / ``unpermute`` / ``grouped_ffn`` index rows across the whole token dim. Token
+  (data) parallelism is exact one level up, where a row's output depends on that row only:
+  ``moe_ffn`` and ``MoE`` route every shard on its own (``_token_parallel.py``). Slots (dim 0
+  of ``sorted_ids``) can be sharded, with replicated tokens: a rank gathers, or sums back, its
+  slice of the slots.
 * Sharding experts (dim 0 of 3-D weights). A shard's rows are a data-dependent subset of the
   token rows, which no placement describes; the expert-parallel dispatcher moves those rows with
   an all-to-all and runs the ops on local tensors with local offsets.
@@ -25,7 +26,7 @@ What has no rule, and why:
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder,
@@ -68,20 +69,22 @@ def token_sort_strategy(op, args, kwargs):
 
 @register_single_dim_strategy(ops.permute.default, _schema(2, "top_k"))
 def permute_strategy(op, args, kwargs):
-    # out [S, D] <- x [T, D], sorted_ids [S]: a copy of rows, so columns shard and sums pass.
-    return [[S(1), S(1), R], [P, P, R]]
+    # out [S, D] <- x [T, D], sorted_ids [S]: a copy of rows, so columns shard, sums pass and
+    # a slice of the slots gathers a slice of the output.
+    return [[S(1), S(1), R], [P, P, R], [S(0), R, S(0)]]
 
 
 @register_single_dim_strategy(ops.permute_backward.default, _schema(2, "top_k", "num_tokens"))
 def permute_backward_strategy(op, args, kwargs):
-    # grad_x [T, D] <- grad [S, D], sorted_ids [S]: a sum of rows.
-    return [[S(1), S(1), R], [P, P, R]]
+    # grad_x [T, D] <- grad [S, D], sorted_ids [S]: a sum of rows (over a slice of slots:
+    # a partial sum).
+    return [[S(1), S(1), R], [P, P, R], [P, S(0), S(0)]]
 
 
 @register_single_dim_strategy(ops.unpermute.default)
 def unpermute_strategy(op, args, kwargs):
     # out [T, D] <- y [S, D], sorted_ids, topk_weights [T, k]: bilinear in (y, topk_weights).
-    return [[S(1), S(1), R, R], [P, P, R, R], [P, R, R, P]]
+    return [[S(1), S(1), R, R], [P, P, R, R], [P, R, R, P], [P, S(0), S(0), R]]
 
 
 @register_single_dim_strategy(ops.unpermute_backward.default)
@@ -93,6 +96,8 @@ def unpermute_backward_strategy(op, args, kwargs):
         [P, P, P, R, R, R],
         [R, P, R, P, R, R],
         [P, R, R, R, R, P],
+        [P, P, R, P, R, P],           # bilinear: grad_y in the weights, grad_w in y
+        [S(0), P, R, S(0), S(0), R],  # a slice of the slots
     ]
 
 
@@ -164,10 +169,15 @@ def indexed_grouped_mm_backward_strategy(op, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 
 
+# The expert-TP rules use concrete Shard placements, not placeholders: a placeholder takes the
+# type of the runtime inputs, so a _StridedShard w13 would turn w2's placeholder into a
+# _StridedShard too, and the F slices of w2 would no longer match those of w13 and hidden.
+
+
 def _hidden_f_shard(gated: bool):
     # hidden [S, 2F] is cat(gate, up) along dim 1: with F sharded, a rank holds
     # cat(gate_r, up_r), the right-to-left layout of _StridedShard(1, split_factor=2).
-    return _StridedShard(1, split_factor=2) if gated else S(1)
+    return _StridedShard(1, split_factor=2) if gated else Shard(1)
 
 
 def _ffn_weight_f_shards(activation: str, has_w3: bool):
@@ -177,8 +187,8 @@ def _ffn_weight_f_shards(activation: str, has_w3: bool):
         # fused w13 [E, D, 2F] = cat(gate, up): a rank needs cat(gate_r, up_r)
         w1 = _StridedShard(2, split_factor=2)
     else:
-        w1 = S(2)
-    return [w1, S(1)] + ([S(2)] if has_w3 else [])
+        w1 = Shard(2)
+    return [w1, Shard(1)] + ([Shard(2)] if has_w3 else [])
 
 
 @register_single_dim_strategy(ops.grouped_ffn.default, _schema(6, "activation", "alpha", "limit"))
@@ -192,8 +202,9 @@ def grouped_ffn_strategy(op, args, kwargs):
     return [
         # expert tensor parallel: F sharded, the down projection contracts it
         [P, _hidden_f_shard(gated), R, R, R, R, *_ffn_weight_f_shards(activation, has_w3)],
-        # linear in the routing weights
+        # linear in the routing weights, and in the down projection
         [P, R, R, R, R, P, *([R] * n_w)],
+        [P, R, R, R, R, R, R, P, *([R] * (n_w - 2))],
     ]
 
 

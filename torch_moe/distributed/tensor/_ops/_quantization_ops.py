@@ -113,14 +113,25 @@ def dequantize_fp8_rowwise_strategy(op_schema: OpSchema) -> OpStrategy:
     rules = [[Shard(d), Shard(d), Shard(d), *offs] for d in range(nd) if d != dim]
     if not has_offs:
         rules.append([Shard(dim), Shard(dim), R])
+    rules.append([P, R, P, *offs])  # linear in the scale
     return _expand(op_schema, rules, 1)
+
+
+def _whole_row_tiles(input_specs, output_specs) -> bool:
+    # the swizzled layout is row-tile major: a shard of whole 128-row tiles is a contiguous
+    # slice of the flat output
+    spec = input_specs[0]
+    d = len(spec.tensor_meta.shape) - 2
+    parts = math.prod(spec.mesh.size(m) for m, p in enumerate(spec.placements) if p.is_shard(d))
+    return parts == 1 or spec.tensor_meta.shape[d] % (parts * 128) == 0
 
 
 @register_op_strategy(ops.swizzle_mx_scale.default)
 def swizzle_mx_scale_strategy(op_schema: OpSchema) -> OpStrategy:
-    # [..., R, C] -> [..., n]: leading (batch) dims only
+    # [..., R, C] -> [..., n]: leading (batch) dims, and rows in whole 128-row tiles
     nd = _ndim(op_schema.args_schema[0])
-    return _expand(op_schema, [[Shard(d), Shard(d)] for d in range(nd - 2)], 1)
+    rules = [[Shard(d), Shard(d)] for d in range(nd - 2)] + [[Shard(nd - 2), Shard(nd - 2)]]
+    return _expand(op_schema, rules, 1, _whole_row_tiles)
 
 
 @register_op_strategy(ops.unswizzle_mx_scale.default, schema_info=_schema(1, "rows", "cols"))
