@@ -1,0 +1,608 @@
+"""Triton kernels of ``torch_moe::grouped_mm`` and ``torch_moe::indexed_grouped_mm``.
+
+Two kernels cover every layout, both with fp32 accumulation (fp64 for fp64 operands), one
+rounding to the output dtype, and no host synchronisation (``offs`` is read on the device only):
+
+* ``_grouped_mm_rows_kernel``: rows split by ``offs``, ``out[rows_g] = x[rows_g] @ w[g]``, with an
+  optional gather of input rows, scatter of output rows and per-row scale. It is the forward of
+  ``indexed_grouped_mm``, ``grouped_mm`` 2D x 3D (no indices), and ``grouped_mm`` 3D x 2D through
+  the transposed problem ``out.T[cols_g] = b.T[cols_g] @ a[g].T``.
+* ``_grouped_mm_k_kernel``: the contraction split by ``offs`` (``grouped_mm`` 2D x 2D, the weight
+  gradient of the 2D x 3D layout), ``out[g] = a[:, ks_g] @ b[ks_g, :]``.
+
+Tiling of the rows kernel. The rows ``[0, S)`` are cut into segments: group ``g`` is
+``[offs[g-1], offs[g])`` and, when the output is not scattered, segment ``E`` is the tail
+``[offs[-1], S)``, whose rows are written as zeros. Each segment is cut into tiles of ``BLOCK_M``
+rows, so a tile never straddles two groups and multiplies by one weight matrix. The number of
+tiles depends on ``offs``, so the grid is launched for a bound that depends on sizes only,
+``cdiv(S, BLOCK_M) + E`` row tiles (the ``E + 1`` segments hold at most one partial tile each, and
+their partial tiles together at most ``E`` more than ``S`` rows need), times the column tiles.
+Each program finds its segment with a prefix sum of the per-segment tile counts (``E + 1``
+integers, negligible next to the tile's GEMM); programs past the last tile write nothing.
+
+Scatter. ``out[scatter_index[i]] += v_i`` may hit one output row from several slots (the combine of
+an MoE layer, top-k > 1), so rows are accumulated with atomic adds into an fp32 (fp64) buffer,
+zero-initialised, and rounded once at the end: the result is that of the CPU kernel up to the order
+of the additions, which varies from run to run. Under ``torch.use_deterministic_algorithms(True)``
+the rows are written unscattered and summed with ``index_add_``, which is deterministic on CUDA
+in that mode, at the cost of an ``[S, N]`` fp32 intermediate.
+
+Value checks (``offs`` non-decreasing with ``offs[-1] <= S``, indices in ``[-1, bound)``) are
+device asserts, compiled in only when ``TRITON_DEBUG=1`` (checking them otherwise needs a host
+synchronisation). Without them, out-of-range indices are treated as padding and offsets are clamped
+to ``[0, S]``, so invalid input never reads or writes out of bounds; the values of rows covered by
+a decreasing ``offs`` are then unspecified.
+
+Every launch goes through :func:`torch.library.wrap_triton` inside a
+:func:`torch.library.triton_op` (``torch_moe::_triton_grouped_mm`` and
+``torch_moe::_triton_indexed_grouped_mm``): under ``torch.compile`` the AOT graph holds
+``triton_kernel_wrapper_functional`` nodes, which Inductor compiles as user-defined Triton kernels
+in its generated code instead of calling back into Python. :func:`register_cuda_kernels` makes
+these ops the CUDA kernels of the public ops and decomposes the public ops into them when traced
+with CUDA tensors (see there).
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from torch_moe import _checks
+
+__all__ = ["GemmConfig", "grouped_mm", "indexed_grouped_mm", "register_cuda_kernels"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _acc_zeros(x_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The accumulator tile: fp64 for fp64 operands, fp32 otherwise."""
+    if x_ptr.dtype.element_ty == tl.float64:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _grouped_mm_rows_kernel(
+    x_ptr,
+    w_ptr,
+    offs_ptr,
+    gather_ptr,
+    scatter_ptr,
+    scale_ptr,
+    out_ptr,
+    num_rows,
+    num_in_rows,
+    num_out_rows,
+    N,
+    K,
+    num_groups,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_om,
+    stride_on,
+    HAS_GATHER: tl.constexpr,
+    HAS_SCATTER: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of one segment (see the module docstring).
+
+    Shapes: x ``[num_in_rows, K]``, w ``[num_groups, K, N]``, offs ``[num_groups]`` int32;
+    gather / scatter / scale ``[num_rows]`` (int64, int64, float); out ``[num_rows, N]``, or
+    ``[num_out_rows, N]`` accumulated in fp32 / fp64 with ``HAS_SCATTER``.
+    grid = ``((cdiv(num_rows, BLOCK_M) + num_groups) * cdiv(N, BLOCK_N),)``.
+    """
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    tile = pid // col_tiles
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    # 64-bit offsets: a row or column index times a stride can pass 2**31 elements
+    cols = cols.to(tl.int64)
+
+    # The segment of this row tile: segments 0 .. num_groups - 1 are the groups, segment
+    # num_groups the tail past offs[-1], empty when the output is scattered (nothing to zero).
+    # (Inline rather than a helper: torch.compile's mutation analysis takes every argument of a
+    # called helper as a source of the store address, and would take offs for an output.)
+    segs = tl.arange(0, BLOCK_E)
+    in_groups = segs < num_groups
+    ends = tl.load(offs_ptr + segs, mask=in_groups, other=0)
+    starts = tl.load(offs_ptr + segs - 1, mask=(segs > 0) & (segs <= num_groups), other=0)
+    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
+    tl.device_assert(ends <= num_rows, "offs[-1] must not exceed the number of rows")
+    ends = tl.where(in_groups, ends, 0 if HAS_SCATTER else num_rows)
+    # clamped so that invalid offsets cannot address rows out of bounds
+    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
+    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
+    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
+    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(seg_tiles, 0)
+    # Empty segments end where their predecessor does, so they are counted and skipped here; past
+    # the last tile, seg is BLOCK_E and the rows are empty.
+    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    pick = segs == seg
+    first_row = tl.sum(tl.where(pick, starts, 0), 0)
+    end_row = tl.sum(tl.where(pick, ends, 0), 0)
+    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
+
+    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end_row
+    rows = rows.to(tl.int64)
+
+    if HAS_GATHER:
+        src = tl.load(gather_ptr + rows, mask=row_ok, other=-1)
+        tl.device_assert((src >= -1) & (src < num_in_rows), "gather_index out of range")
+        src_ok = row_ok & (src >= 0) & (src < num_in_rows)
+    else:
+        src = rows
+        src_ok = row_ok
+
+    # The tail segment and programs past the last tile skip the main loop: zero tile.
+    is_group = seg < num_groups
+    k_end = tl.where(is_group, K, 0)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk
+    w_ptrs = (
+        w_ptr + seg.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    )
+    acc = _acc_zeros(x_ptr, BLOCK_M, BLOCK_N)
+    for k in range(0, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=src_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k
+            a = tl.load(x_ptrs, mask=src_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_SCALE:
+        # not loaded on the tail, which stays exactly zero whatever the scale holds there
+        group_end = tl.where(is_group, end_row, first_row)
+        scale = tl.load(scale_ptr + rows, mask=rows < group_end, other=0.0)
+        acc = acc * scale.to(acc.dtype)[:, None]
+    if HAS_SCATTER:
+        dst = tl.load(scatter_ptr + rows, mask=row_ok, other=-1)
+        tl.device_assert((dst >= -1) & (dst < num_out_rows), "scatter_index out of range")
+        dst_ok = row_ok & (dst >= 0) & (dst < num_out_rows)
+        out_ptrs = out_ptr + dst[:, None] * stride_om + cols[None, :] * stride_on
+        # relaxed: the adds only need to be atomic, not ordered with other memory operations
+        tl.atomic_add(out_ptrs, acc, mask=dst_ok[:, None] & col_ok[None, :], sem="relaxed")
+    else:
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_mm_k_kernel(
+    a_ptr,
+    b_ptr,
+    offs_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_og,
+    stride_om,
+    stride_on,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of ``out[g] = a[:, ks_g] @ b[ks_g, :]``.
+
+    Shapes: a ``[M, K]``, b ``[K, N]``, offs ``[G]`` int32 splitting K, out ``[G, M, N]``; an
+    empty group gives a zero matrix. grid = ``(G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)``, the
+    tiles of one group consecutive.
+    """
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    g = pid // (row_tiles * col_tiles)
+    tile = pid % (row_tiles * col_tiles)
+    rows = (tile // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tile % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    rows = rows.to(tl.int64)
+    cols = cols.to(tl.int64)
+
+    k_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    k_end = tl.load(offs_ptr + g)
+    tl.device_assert((k_start <= k_end) & (k_end <= K), "offs must be non-decreasing and <= K")
+    k_start = tl.minimum(tl.maximum(k_start, 0), K)
+    k_end = tl.minimum(tl.maximum(k_end, k_start), K)
+
+    ks = tl.arange(0, BLOCK_K)
+    acc = _acc_zeros(a_ptr, BLOCK_M, BLOCK_N)
+    for k in range(k_start, k_end, BLOCK_K):
+        kk = (k + ks).to(tl.int64)
+        k_ok = kk < k_end
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + kk[None, :] * stride_ak,
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    out_ptrs = (
+        out_ptr + g.to(tl.int64) * stride_og + rows[:, None] * stride_om + cols[None, :] * stride_on
+    )
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+class GemmConfig(NamedTuple):
+    """Tile sizes (powers of two, at least 16 for ``tl.dot``) and launch parameters."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _block(n, low: int, high: int) -> int:
+    """The smallest power of two in [low, high] that is >= n (``high`` if none is).
+
+    Written with comparisons only, so that a symbolic ``n`` gives guards, not errors.
+    """
+    b = low
+    while b < high and b < n:
+        b *= 2
+    return b
+
+
+def _default_config(dtype: torch.dtype, n, k) -> GemmConfig:
+    # 64 x 128 x 64 tiles with 3 stages fit the shared memory of every GPU since Ampere for
+    # 16-bit operands ((64 * 64 + 64 * 128) * 2 B * 3 = 72 KiB); 4-byte and 8-byte operands halve
+    # BLOCK_N and BLOCK_K to stay within it. M is the token dimension and not narrowed: it varies
+    # from call to call, and a fixed block keeps one compiled kernel.
+    wide = dtype.itemsize <= 2
+    return GemmConfig(
+        block_m=64,
+        block_n=_block(n, 16, 128 if wide else 64),
+        block_k=_block(k, 16, 64 if wide else 32),
+    )
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 GEMMs follow torch's TF32 setting as cuBLAS and Inductor's templates do (off by
+    # default); it is read at launch, or at trace time under torch.compile. Other dtypes ignore it.
+    if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision == "tf32":
+        return "tf32"
+    return "ieee"
+
+
+def _launch_rows(
+    x: Tensor,
+    w: Tensor,
+    offs: Tensor,
+    gather_index: Optional[Tensor],
+    scatter_index: Optional[Tensor],
+    scale: Optional[Tensor],
+    out: Tensor,
+    num_rows,
+    config: Optional[GemmConfig],
+) -> None:
+    """Launches the rows kernel: x ``[R, K]``, w ``[E, K, N]`` (any strides), ``num_rows`` = S
+    slots; writes ``out`` (``[S, N]``) or, with ``scatter_index``, adds into it."""
+    E, K, N = w.shape
+    cfg = config if config is not None else _default_config(x.dtype, N, K)
+    row_tiles = triton.cdiv(num_rows, cfg.block_m) + E
+    grid = (row_tiles * triton.cdiv(N, cfg.block_n),)
+    wrap_triton(_grouped_mm_rows_kernel)[grid](
+        x,
+        w,
+        offs,
+        gather_index,
+        scatter_index,
+        scale,
+        out,
+        num_rows,
+        x.size(0),
+        out.size(0),
+        N,
+        K,
+        E,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        HAS_GATHER=gather_index is not None,
+        HAS_SCATTER=scatter_index is not None,
+        HAS_SCALE=scale is not None,
+        INPUT_PRECISION=_input_precision(x.dtype),
+        EVEN_K=bool(K % cfg.block_k == 0),  # a guard, not a symbol, under dynamic shapes
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_E=_block(E + 1, 2, 2 ** 30),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _launch_k(
+    a: Tensor, b: Tensor, offs: Tensor, out: Tensor, config: Optional[GemmConfig]
+) -> None:
+    """Launches the contraction-split kernel: a ``[M, K]``, b ``[K, N]``, out ``[G, M, N]``."""
+    M, K = a.shape
+    N = b.size(1)
+    G = offs.size(0)
+    cfg = config if config is not None else _default_config(a.dtype, N, K)
+    grid = (G * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    wrap_triton(_grouped_mm_k_kernel)[grid](
+        a,
+        b,
+        offs,
+        out,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        INPUT_PRECISION=_input_precision(a.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def grouped_mm(
+    a: Tensor, b: Tensor, offs: Tensor, *, config: Optional[GemmConfig] = None
+) -> Tensor:
+    """``torch_moe::grouped_mm`` with the Triton kernels, for tensors on any device Triton runs on
+    (CPU tensors under ``TRITON_INTERPRET=1``). The current device must be that of the tensors.
+
+    Args:
+        a, b: the operands in one of the layouts (offs: int32 ``[G]``, cumulative group ends)
+
+            - 2D x 3D: a ``[M, K]``, b ``[G, K, N]`` -> ``[M, N]``, rows of a split by offs,
+              rows past ``offs[-1]`` zero;
+            - 3D x 2D: a ``[G, M, K]``, b ``[K, N]`` -> ``[M, N]``, columns of b split by offs,
+              columns past ``offs[-1]`` zero;
+            - 2D x 2D: a ``[M, K]``, b ``[K, N]`` -> ``[G, M, N]``, K split by offs, zero
+              matrices for empty groups.
+
+            Any strides; bf16, fp16, fp32 or fp64.
+        config: tile sizes; by default chosen from the dtype and the sizes of b.
+
+    Returns:
+        A contiguous tensor in the dtype of ``a``.
+    """
+    _checks.check_grouped_mm(a, b, offs)
+    if a.dim() == 2 and b.dim() == 3:
+        out = a.new_empty((a.size(0), b.size(2)))
+        if out.numel():
+            _launch_rows(a, b, offs, None, None, None, out, a.size(0), config)
+    elif a.dim() == 3 and b.dim() == 2:
+        # out[:, cols_g] = a[g] @ b[:, cols_g] is, transposed, the 2D x 3D problem
+        # out.T[cols_g] = b.T[cols_g] @ a[g].T; the kernel takes strides, so nothing is copied.
+        out = a.new_empty((a.size(1), b.size(1)))
+        if out.numel():
+            _launch_rows(
+                b.t(), a.transpose(1, 2), offs, None, None, None, out.t(), b.size(1), config
+            )
+    else:
+        out = a.new_empty((offs.size(0), a.size(0), b.size(1)))
+        if out.numel():
+            _launch_k(a, b, offs, out, config)
+    return out
+
+
+def indexed_grouped_mm(
+    input: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    gather_index: Optional[Tensor] = None,
+    scatter_index: Optional[Tensor] = None,
+    scatter_weight: Optional[Tensor] = None,
+    num_out_rows: int = -1,
+    *,
+    config: Optional[GemmConfig] = None,
+) -> Tensor:
+    """``torch_moe::indexed_grouped_mm`` with the Triton kernel, for tensors on any device Triton
+    runs on (CPU tensors under ``TRITON_INTERPRET=1``). The current device must be that of the
+    tensors.
+
+    For sorted slot ``i`` of group ``g`` (``offs[g-1] <= i < offs[g]``)::
+
+        v_i = input[gather_index[i] if gather_index is given else i] @ weight[g]
+        v_i = v_i * scatter_weight[i]                      (if scatter_weight is given)
+        out[scatter_index[i]] += v_i   (out: [num_out_rows, N], zero-initialised), or
+        out[i] = v_i                   (out: [S, N], rows past offs[-1] zero)
+
+    Args:
+        input: ``[R, K]``; weight: ``[E, K, N]``, same dtype (bf16, fp16, fp32 or fp64), any
+            strides; offs: int32 ``[E]``, cumulative group ends.
+        gather_index: int64 ``[S]`` rows of ``input`` (-1: zero row); without it S = R.
+        scatter_index: int64 ``[S]`` rows of the output (-1: dropped); duplicates accumulate.
+        scatter_weight: ``[S]``, any floating dtype, applied in the accumulation dtype.
+        num_out_rows: rows of the output with ``scatter_index``, else -1.
+        config: tile sizes; by default chosen from the dtype and the sizes of ``weight``.
+
+    Returns:
+        A contiguous tensor in the dtype of ``input``: ``[S, N]``, or ``[num_out_rows, N]`` with
+        ``scatter_index``.
+    """
+    S = _checks.check_indexed_grouped_mm(
+        input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+    )
+    N = weight.size(2)
+    acc_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+    if scatter_index is None:
+        out = input.new_empty((S, N))
+        if out.numel():
+            _launch_rows(input, weight, offs, gather_index, None, scatter_weight, out, S, config)
+        return out
+    if torch.are_deterministic_algorithms_enabled():
+        # Rows in slot order, then a sum in a fixed order: index_add_ is deterministic on CUDA
+        # in this mode, atomics are not.
+        rows = input.new_empty((S, N), dtype=acc_dtype)
+        if rows.numel():
+            _launch_rows(input, weight, offs, gather_index, None, scatter_weight, rows, S, config)
+        rows.masked_fill_((scatter_index < 0).unsqueeze(1), 0)
+        acc = torch.zeros((num_out_rows, N), dtype=acc_dtype, device=input.device)
+        acc.index_add_(0, scatter_index.clamp(min=0), rows)
+    else:
+        acc = torch.zeros((num_out_rows, N), dtype=acc_dtype, device=input.device)
+        if S > 0 and acc.numel():
+            _launch_rows(
+                input, weight, offs, gather_index, scatter_index, scatter_weight, acc, S, config
+            )
+    return acc if acc.dtype == input.dtype else acc.to(input.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Operators
+# ---------------------------------------------------------------------------------------------
+
+
+@triton_op("torch_moe::_triton_grouped_mm", mutates_args=())
+def _triton_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    # Also the fake kernel (triton_op traces the body), so it must not read tensor values.
+    return grouped_mm(a, b, offs)
+
+
+@triton_op("torch_moe::_triton_indexed_grouped_mm", mutates_args=())
+def _triton_indexed_grouped_mm(
+    input: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    gather_index: Optional[Tensor] = None,
+    scatter_index: Optional[Tensor] = None,
+    scatter_weight: Optional[Tensor] = None,
+    num_out_rows: int = -1,
+) -> Tensor:
+    return indexed_grouped_mm(
+        input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration for CUDA
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain_cuda_tensors(types, args, kwargs) -> bool:
+    """Whether every tensor argument is on CUDA and none is a tensor subclass (other than the
+    fake and functional tensors of tracing), as triton_op requires to decompose."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if not all(t in (Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types):
+        return False
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    return all(t.device.type == "cuda" for t in tensors)
+
+
+def _grouped_mm_cuda(a, b, offs):
+    # Triton launches on the current device; make it the tensors' one.
+    with torch.cuda.device(a.device):
+        return torch.ops.torch_moe._triton_grouped_mm.default(a, b, offs)
+
+
+def _indexed_grouped_mm_cuda(
+    input, weight, offs, gather_index=None, scatter_index=None, scatter_weight=None,
+    num_out_rows=-1,
+):
+    with torch.cuda.device(input.device):
+        return torch.ops.torch_moe._triton_indexed_grouped_mm.default(
+            input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+        )
+
+
+def _decompose_into(triton_overload):
+    """A FunctionalTensorMode rule that replaces an op on CUDA tensors by ``triton_overload``.
+
+    AOTAutograd functionalizes the graph it traces, so this runs under ``torch.compile``: the op
+    becomes the triton_op, which (in the same mode) decomposes into
+    ``triton_kernel_wrapper_functional``. ``torch.export`` keeps the op, as it keeps triton_ops.
+    """
+
+    def rule(mode, func, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if not custom_triton_ops_decomposition_disabled() and _plain_cuda_tensors(
+            types, args, kwargs
+        ):
+            with mode:
+                return triton_overload(*args, **kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    return rule
+
+
+_registered = False
+
+
+def register_cuda_kernels() -> None:
+    """Makes the Triton kernels the CUDA kernels of ``torch_moe::grouped_mm`` (all three layouts)
+    and ``torch_moe::indexed_grouped_mm`` (its forward; the backward op has no CUDA kernel yet).
+
+    Eager calls dispatch to the triton_ops. Under ``torch.compile`` with CUDA tensors, a
+    FunctionalTensorMode rule decomposes both public ops into the triton_ops, so that Inductor
+    sees the Triton kernels rather than an opaque call back into Python; other devices keep the
+    ops as they are. Calling it again does nothing.
+    """
+    global _registered
+    if _registered:
+        return
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    torch.library.impl("torch_moe::grouped_mm", "CUDA")(_grouped_mm_cuda)
+    torch.library.impl("torch_moe::indexed_grouped_mm", "CUDA")(_indexed_grouped_mm_cuda)
+    torch.library.register_torch_dispatch(
+        "torch_moe::grouped_mm",
+        FunctionalTensorMode,
+        _decompose_into(torch.ops.torch_moe._triton_grouped_mm.default),
+    )
+    torch.library.register_torch_dispatch(
+        "torch_moe::indexed_grouped_mm",
+        FunctionalTensorMode,
+        _decompose_into(torch.ops.torch_moe._triton_indexed_grouped_mm.default),
+    )
+    _registered = True
