@@ -57,7 +57,7 @@ def _floor_bytes(amax: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
     # OCP spec: X = 2 ** (floor(log2(amax)) - emax_elem); floor(log2) of a normal fp32 is its
     # unbiased exponent field, and zeros / subnormals land on the smallest scale.
     exponent, _ = _exponent_and_mantissa(amax)
-    return (exponent - _ELEM_FORMATS[elem_dtype][1]).clamp_(0, 254)
+    return (exponent - _ELEM_FORMATS[elem_dtype][1]).clamp(0, 254)
 
 
 def round_up_to_e8m0(d: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ def round_up_to_e8m0(d: torch.Tensor) -> torch.Tensor:
     exponent, mantissa = _exponent_and_mantissa(d)
     normal = exponent + (mantissa != 0).to(torch.int32)
     subnormal = (mantissa > _HALF_MIN_NORMAL_MANT).to(torch.int32)  # (2**-127, 2**-126] -> 1
-    return torch.where(exponent > 0, normal, subnormal).clamp_(max=E8M0_NAN)
+    return torch.where(exponent > 0, normal, subnormal).clamp(max=E8M0_NAN)
 
 
 def _rceil_bytes(amax: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
@@ -114,5 +114,5 @@ def pow2_ceil_scale(amax: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor
     ``amax / s <= max_normal`` (the RCEIL rule at row granularity, which is also torchao's
     ``2 ** floor(log2(max / amax))`` quantization scale inverted), kept a normal fp32
     (``s >= 2**-126``) so that no kernel flushes it. NaN when amax is NaN or Inf."""
-    b = scale_bytes(amax, elem_dtype, "rceil").clamp_(min=1)
+    b = scale_bytes(amax, elem_dtype, "rceil").clamp(min=1)
     return e8m0_to_float(b)

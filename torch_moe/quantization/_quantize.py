@@ -40,7 +40,7 @@ def _to_elem(q: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
     """
     if elem_dtype != torch.float8_e4m3fn:
         m = max_normal(elem_dtype)
-        q = q.clamp_(-m, m)
+        q = q.clamp(-m, m)
     return q.to(elem_dtype)
 
 
