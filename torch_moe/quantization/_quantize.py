@@ -117,7 +117,7 @@ def check_quantize_fp8_rowwise(x, dim, offs) -> tuple:
     C.check_quantizable(op, "x", x)
     d = C.wrap_dim(op, dim, x.dim())
     torch._check(
-        x.size(d) > 0,
+        x.size(d) > 0 or offs is not None,
         lambda: f"{op}: expected a non-empty reduced dim, but x.size({d}) is 0 (a scale of "
         "nothing is undefined)",
     )
