@@ -55,7 +55,9 @@ def distribute_moe(moe: MoE, mesh, expert_placements_per_dim) -> MoE:
     return m
 
 
-class TestMoELayerDTensor(TestCase):
+class _FakeWorld(TestCase):
+    """One process simulating WORLD ranks (fake process group + LocalTensorMode in the tests)."""
+
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
@@ -68,6 +70,8 @@ class TestMoELayerDTensor(TestCase):
             dist.destroy_process_group()
         super().tearDownClass()
 
+
+class TestMoELayerDTensor(_FakeWorld):
     def check_layer(self, cfg, x_placements, expert_placements, *, atol=1e-5):
         torch.manual_seed(0)
         moe = MoE(cfg)
@@ -170,19 +174,7 @@ class TestMoELayerDTensor(TestCase):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
-class TestMoEDTensorBadInput(TestCase):
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        if not dist.is_initialized():
-            dist.init_process_group("fake", rank=0, world_size=WORLD)
-
-    @classmethod
-    def tearDownClass(cls):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        super().tearDownClass()
-
+class TestMoEDTensorBadInput(_FakeWorld):
     def message(self, fn, *args):
         with self.assertRaises(ValueError) as ctx:
             fn(*args)
