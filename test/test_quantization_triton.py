@@ -238,6 +238,34 @@ def _check_cuda_registration() -> None:
         assert len(msgs) == 2 and msgs[0] == msgs[1], msgs
 
 
+def _check_scaled_grouped_mm_fallback() -> None:
+    """The CUDA fallback of scaled_grouped_mm (fp32 dequantization + the Triton grouped GEMM)
+    against the CPU kernel, both layouts, both recipes, fp32 and bf16 outputs, with an empty
+    group and rows past offs[-1]."""
+    import torch_moe  # noqa: F401
+    from torch_moe.quantization._cuda import scaled_grouped_mm_emulated_triton
+
+    ops = torch.ops.torch_moe
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([32, 32, 64], dtype=torch.int32)
+    for recipe in ("mxfp8", "fp8_rowwise"):
+        a, b = torch.randn(96, 64, generator=g), torch.randn(3, 64, 32, generator=g)
+        x, dy = torch.randn(64, 32, generator=g), torch.randn(64, 48, generator=g)
+        if recipe == "mxfp8":
+            (qa, sa), (qb, sb) = ops.quantize_mxfp8(a, 1), ops.quantize_mxfp8(b, 1)
+            (qx, sx), (qy, sy) = ops.quantize_mxfp8(x, 0), ops.quantize_mxfp8(dy, 0)
+        else:
+            (qa, sa), (qb, sb) = ops.quantize_fp8_rowwise(a, 1), ops.quantize_fp8_rowwise(b, 1)
+            (qx, sx), (qy, sy) = (ops.quantize_fp8_rowwise(x, 0, offs),
+                                  ops.quantize_fp8_rowwise(dy, 0, offs))
+        for args in ((qa, qb, sa, sb), (qx.t(), qy, sx.t(), sy)):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                got = scaled_grouped_mm_emulated_triton(*args, offs, recipe, out_dtype)
+                want = ops.scaled_grouped_mm(*args, offs, out_dtype)
+                tol = 1e-4 if out_dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 # ---------------------------------------------------------------------------------------------
 # The tests (parent process)
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +298,9 @@ class TestQuantizationTriton(TestCase):
 
     def test_cuda_registration(self):
         self._run_interpreted("_check_cuda_registration")
+
+    def test_scaled_grouped_mm_triton_fallback(self):
+        self._run_interpreted("_check_scaled_grouped_mm_fallback")
 
 
 if __name__ == "__main__":

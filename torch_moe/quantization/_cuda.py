@@ -29,10 +29,12 @@ meta kernel in ``torch/_meta_registrations.py``, torch 2.13):
 
 Which path runs is decided by :func:`native_kernel_supported` (device and recipe) and
 :func:`native_shapes_supported` (shapes); everything else goes to
-:func:`scaled_grouped_mm_emulated_bf16`.
+:func:`scaled_grouped_mm_emulated_triton` (fp32 dequantization and the Triton grouped GEMM of
+:mod:`torch_moe._triton`), or without triton to :func:`scaled_grouped_mm_emulated_bf16`.
 """
 
 import functools
+import importlib.util
 import math
 
 import torch
@@ -54,6 +56,7 @@ __all__ = [
 ]
 
 _OP = "torch_moe.scaled_grouped_mm"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 ops = torch.ops.torch_moe
 
 # The op promises fp32 accumulation. With fast accumulation the SM90 FP8 kernel accumulates in
@@ -380,6 +383,31 @@ def scaled_grouped_mm_emulated_bf16(
     return _zero_outside_groups_(out, offs, mat_b.dim() == 3)
 
 
+def _dequantize_fp32(recipe, data, scale, dim, offs=None):
+    if recipe == "mxfp8":
+        return ops.dequantize_mxfp8(data, scale, dim, out_dtype=torch.float32)
+    return ops.dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype=torch.float32)
+
+
+def scaled_grouped_mm_emulated_triton(
+    mat_a, mat_b, scale_a, scale_b, offs, recipe: str, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Fallback with the Triton grouped GEMM of :mod:`torch_moe._triton`: both operands
+    dequantized to fp32 (exact), fp32 accumulation (no TF32 unless the user enabled it for
+    fp32 matmuls), one rounding to ``out_dtype``: the CPU kernel's contract, fp32 and fp16
+    outputs included. Zero outside the groups; offsets must already be validated. It runs on
+    CPU tensors too under ``TRITON_INTERPRET=1``, which is how it is tested."""
+    from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
+
+    if mat_b.dim() == 3:
+        a = _dequantize_fp32(recipe, mat_a, scale_a, 1)
+        b = _dequantize_fp32(recipe, mat_b, scale_b, 1)
+    else:
+        a = _dequantize_fp32(recipe, mat_a, scale_a, 1, offs)
+        b = _dequantize_fp32(recipe, mat_b, scale_b, 0, offs)
+    return triton_grouped_mm(a, b, offs).to(out_dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
@@ -389,9 +417,9 @@ def scaled_grouped_mm_cuda(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch
     """CUDA kernel of ``torch_moe.scaled_grouped_mm`` (layouts in the module docstring).
 
     Runs ``torch._scaled_grouped_mm`` where :func:`native_kernel_supported` and
-    :func:`native_shapes_supported` allow, else :func:`scaled_grouped_mm_emulated_bf16`. Both
-    produce bf16, which is cast to ``out_dtype``: with an fp32 or fp16 ``out_dtype`` the result
-    is therefore rounded to bf16 first. No host synchronisation: the offsets are checked with an
+    :func:`native_shapes_supported` allow (bf16 output, cast to ``out_dtype``: an fp32 or fp16
+    result is rounded to bf16 first), else :func:`scaled_grouped_mm_emulated_triton` (one
+    rounding to ``out_dtype``), or :func:`scaled_grouped_mm_emulated_bf16` without triton. No host synchronisation: the offsets are checked with an
     on-device assert and every size is known from the shapes.
     """
     recipe = S.check_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
@@ -409,6 +437,9 @@ def scaled_grouped_mm_cuda(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch
     layout = "2d_3d" if two_d_three_d else "2d_2d"
     if _use_native(recipe, layout, mat_a, mat_b, offs):
         out = scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe)
+    elif _HAS_TRITON and mat_a.device.type == "cuda":
+        return scaled_grouped_mm_emulated_triton(mat_a, mat_b, scale_a, scale_b, offs, recipe,
+                                                 out_dtype)
     else:
         out = scaled_grouped_mm_emulated_bf16(mat_a, mat_b, scale_a, scale_b, offs, recipe)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
