@@ -31,6 +31,8 @@ from torch.distributed.tensor.experimental import local_map
 __all__ = ["MeshPlan", "plan_mesh", "token_parallel_moe_ffn"]
 
 R = Replicate()
+# the expert-tensor-parallel layout: the FFN dim F sharded in every expert weight
+_ETP = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
 
 
 class MeshPlan:
@@ -40,18 +42,14 @@ class MeshPlan:
     def __init__(self, mesh, kinds: list[str], token_dims: list[Optional[int]]):
         self.mesh, self.kinds, self.token_dims = mesh, kinds, token_dims
 
-    def tokens(self, token_dim_shift: int = 0) -> tuple:
-        """Placements of a token-indexed tensor (sharded like x's token dim, shifted when the
-        tensor has fewer leading dims than x)."""
-        return tuple(
-            Shard(d - token_dim_shift) if k == "token" else R
-            for k, d in zip(self.kinds, self.token_dims)
-        )
+    def tokens(self) -> tuple:
+        """Placements of a token-indexed tensor: sharded like x's token dim."""
+        return tuple(Shard(d) if k == "token" else R for k, d in zip(self.kinds, self.token_dims))
 
-    def out(self, token_dim_shift: int = 0) -> tuple:
+    def out(self) -> tuple:
         """Placements of the routed output (token-indexed, partial over ETP dims)."""
         return tuple(
-            Shard(d - token_dim_shift) if k == "token" else (Partial() if k == "etp" else R)
+            Shard(d) if k == "token" else (Partial() if k == "etp" else R)
             for k, d in zip(self.kinds, self.token_dims)
         )
 
@@ -63,11 +61,9 @@ class MeshPlan:
         sums over the local tokens (token dims) or over the local F shard (ETP dims)."""
         return tuple(R if k == "replicate" else Partial() for k in self.kinds)
 
-    def tokens_grad(self, token_dim_shift: int = 0) -> tuple:
-        return tuple(
-            Shard(d - token_dim_shift) if k == "token" else (Partial() if k == "etp" else R)
-            for k, d in zip(self.kinds, self.token_dims)
-        )
+    def tokens_grad(self) -> tuple:
+        """Gradient placements of a token-indexed input: partial over ETP dims."""
+        return self.out()
 
     def expert_weight(self, etp_placement) -> tuple:
         return tuple(etp_placement if k == "etp" else R for k in self.kinds)
@@ -79,10 +75,6 @@ class MeshPlan:
 
     def counts(self) -> tuple:
         return tuple(Partial() if k == "token" else R for k in self.kinds)
-
-
-def _placement_str(p) -> str:
-    return type(p).__name__ + (f"({p.dim})" if isinstance(p, Shard) else "()")
 
 
 def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTensor],
@@ -103,7 +95,6 @@ def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTenso
             raise ValueError(
                 f"{op}: expected {name} on the mesh of x ({mesh}), but it is on {t.device_mesh}"
             )
-    etp = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
     kinds, token_dims = [], []
     for i, px in enumerate(x.placements):
         wp = {n: t.placements[i] for n, t in weights.items() if t is not None}
@@ -111,7 +102,7 @@ def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTenso
             kind = "token"
             bad = {n: p for n, p in wp.items() if not isinstance(p, Replicate)}
         elif isinstance(px, Replicate):
-            kind = "etp" if all(p == etp[n] for n, p in wp.items()) else "replicate"
+            kind = "etp" if all(p == _ETP[n] for n, p in wp.items()) else "replicate"
             bad = {} if kind == "etp" else {
                 n: p for n, p in wp.items() if not isinstance(p, Replicate)
             }
@@ -150,11 +141,10 @@ def token_parallel_moe_ffn(x: DTensor, topk_ids: DTensor, topk_weights: DTensor,
                 f"{op}: expected {name} to be a DTensor placed like the tokens of x "
                 f"{plan.tokens()}, but got {got}"
             )
-    etp = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
     weights = [("w1", w1), ("w2", w2)] + ([("w3", w3)] if w3 is not None else [])
-    in_pl = [plan.tokens(), plan.tokens(), plan.tokens()] + [plan.expert_weight(etp[n]) for n, _ in weights]
+    in_pl = [plan.tokens(), plan.tokens(), plan.tokens()] + [plan.expert_weight(_ETP[n]) for n, _ in weights]
     in_grad = [plan.tokens_grad(), plan.tokens(), plan.tokens_grad()] + [
-        plan.expert_weight_grad(etp[n]) for n, _ in weights
+        plan.expert_weight_grad(_ETP[n]) for n, _ in weights
     ]
 
     def run(x_, ids_, tw_, *ws):
@@ -198,23 +188,19 @@ def moe_layer_forward(moe, x: DTensor) -> DTensor:
     expert = {n: params.get(f"experts.{n}") for n in ("w1", "w2", "w3")}
     others = [(n, p) for n, p in params.items() if not n.startswith("experts.")]
     plan = plan_mesh(op, x, expert["w1"], expert["w2"], expert["w3"], replicated=others)
-    if x.dim() == 3 and any(d == 1 for d in plan.token_dims if d is not None):
-        seq_sharded = True
-    else:
-        seq_sharded = False
+    seq_sharded = x.dim() == 3 and 1 in plan.token_dims
     if seq_sharded and c.seq_balance_coeff > 0:
         raise ValueError(
             f"{op}: the sequence-wise balance loss needs whole sequences on each rank, but x is "
             "sharded along the sequence dim"
         )
-    etp = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
     routed_names = [n for n in params if n.startswith("router.") or n.startswith("experts.")]
     routed_in = [plan.tokens()] + [
-        plan.expert_weight(etp[n.split(".")[1]]) if n.startswith("experts.") else plan.replicated()
+        plan.expert_weight(_ETP[n.split(".")[1]]) if n.startswith("experts.") else plan.replicated()
         for n in routed_names
     ]
     routed_grad = [plan.tokens_grad()] + [
-        plan.expert_weight_grad(etp[n.split(".")[1]]) if n.startswith("experts.")
+        plan.expert_weight_grad(_ETP[n.split(".")[1]]) if n.startswith("experts.")
         else plan.replicated_grad()
         for n in routed_names
     ]
