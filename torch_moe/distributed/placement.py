@@ -1,0 +1,322 @@
+"""Expert placement for expert parallelism, with replication of hot experts.
+
+Expert parallelism stores the stacked expert weights ``[E, ...]`` of a layer on ``R`` ranks,
+``S`` *physical* expert slots per rank. With ``R * S == E`` every logical expert has exactly one
+slot; with ``R * S > E`` the extra slots hold replicas of the most loaded experts, so that a hot
+expert's tokens can be served by several ranks. Three steps make up a placement change:
+
+* :func:`plan_placement` turns a per-expert load (``MoE.tokens_per_expert``, all-reduced over
+  the data-parallel group) into a :class:`Placement`: how many replicas each expert gets, and
+  which rank each physical slot lives on, chosen to minimise the most loaded rank.
+* :func:`route_to_replicas` maps the router's logical expert ids to physical slots, spreading an
+  expert's tokens evenly over its replicas, on device and without host synchronisation.
+* :func:`rebalance_` lays the weights and optimizer state out under the new placement.
+
+Physical slot ``p`` lives on rank ``p // S``: dim 0 of the physical weights ``[R * S, ...]`` is
+sharded contiguously over the expert-parallel group, the way ``Shard(0)`` splits it.
+"""
+
+import heapq
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Placement", "plan_placement", "route_to_replicas", "rebalance_", "zipf_load"]
+
+
+def _positive_int(fn: str, name: str, value) -> int:
+    # bool is an int subclass, but ``num_ranks=True`` is a bug, not a count
+    if isinstance(value, bool):
+        raise ValueError(f"{fn}: expected {name} to be a positive integer, but got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{fn}: expected {name} to be a positive integer, but got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{fn}: expected {name} to be a positive integer, but got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the physical expert slots of one MoE layer live, and which expert each holds.
+
+    ``P = num_ranks * slots_per_rank`` physical slots, ``E`` logical experts, all tensors int64
+    on the CPU (:func:`route_to_replicas` copies the small tables to the ids' device).
+
+    Attributes:
+        phys_to_logical: ``[P]``, the logical expert held by each physical slot.
+        logical_to_phys: ``[E, max_replicas]``, the physical slots of each expert in increasing
+            order, padded with -1.
+        num_replicas: ``[E]``, the number of physical slots of each expert (at least 1).
+        rank_of_phys: ``[P]``, the rank of each physical slot, ``p // slots_per_rank``.
+        num_ranks: ``R``.
+        slots_per_rank: ``S``.
+    """
+
+    phys_to_logical: Tensor
+    logical_to_phys: Tensor
+    num_replicas: Tensor
+    rank_of_phys: Tensor
+    num_ranks: int
+    slots_per_rank: int
+
+    @property
+    def num_logical(self) -> int:
+        return self.num_replicas.numel()
+
+    @property
+    def num_physical(self) -> int:
+        return self.phys_to_logical.numel()
+
+    @classmethod
+    def from_phys_to_logical(cls, phys_to_logical: Tensor, num_ranks: int,
+                             num_logical: int) -> "Placement":
+        """Builds the placement that puts ``phys_to_logical [P]`` on ``num_ranks`` ranks of
+        ``P // num_ranks`` slots each. Every expert in ``[0, num_logical)`` must appear."""
+        fn = "Placement.from_phys_to_logical"
+        num_ranks = _positive_int(fn, "num_ranks", num_ranks)
+        num_logical = _positive_int(fn, "num_logical", num_logical)
+        if not isinstance(phys_to_logical, Tensor) or phys_to_logical.dim() != 1:
+            raise ValueError(f"{fn}: expected phys_to_logical to be a 1-D tensor")
+        if phys_to_logical.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{fn}: expected phys_to_logical to be int32 or int64, but got "
+                             f"{phys_to_logical.dtype}")
+        p2l = phys_to_logical.detach().to("cpu", torch.int64).clone()
+        num_phys = p2l.numel()
+        if num_phys % num_ranks != 0:
+            raise ValueError(f"{fn}: {num_phys} physical slots do not split evenly over "
+                             f"{num_ranks} ranks")
+        if num_phys > 0 and (p2l.min() < 0 or p2l.max() >= num_logical):
+            raise ValueError(f"{fn}: expected expert ids in [0, {num_logical}), but got ids in "
+                             f"[{p2l.min().item()}, {p2l.max().item()}]")
+        num_replicas = torch.bincount(p2l, minlength=num_logical)
+        if (num_replicas == 0).any():
+            missing = (num_replicas == 0).nonzero().flatten().tolist()
+            raise ValueError(f"{fn}: experts {missing} have no physical slot")
+        # A stable sort by expert lists each expert's slots in increasing order; the column of
+        # a slot is its position after the first slot of its expert.
+        order = torch.sort(p2l, stable=True).indices
+        first = torch.cumsum(num_replicas, 0) - num_replicas
+        column = torch.arange(num_phys) - first[p2l[order]]
+        logical_to_phys = torch.full((num_logical, int(num_replicas.max())), -1,
+                                     dtype=torch.int64)
+        logical_to_phys[p2l[order], column] = order
+        slots_per_rank = num_phys // num_ranks
+        rank_of_phys = torch.arange(num_phys) // slots_per_rank
+        return cls(p2l, logical_to_phys, num_replicas, rank_of_phys, num_ranks, slots_per_rank)
+
+    def rank_loads(self, load: Tensor) -> Tensor:
+        """Load of each rank, ``[R]`` float64, when expert e's load ``load [E]`` is split
+        equally over its replicas."""
+        load = _check_load("Placement.rank_loads", load, self.num_logical)
+        share = load[self.phys_to_logical] / self.num_replicas[self.phys_to_logical]
+        return torch.zeros(self.num_ranks, dtype=torch.float64).index_add_(
+            0, self.rank_of_phys, share)
+
+    def imbalance(self, load: Tensor) -> float:
+        """Most loaded rank over the mean rank load: 1.0 is perfect balance, ``R`` the worst.
+        An all-zero load counts as balanced."""
+        per_rank = self.rank_loads(load)
+        mean = per_rank.mean().item()
+        return per_rank.max().item() / mean if mean > 0 else 1.0
+
+
+def _check_load(fn: str, load, num_experts=None) -> Tensor:
+    """Validates a per-expert load and returns it as a float64 CPU tensor. Placement is a
+    host-side decision taken every few hundred steps, so reading the values here is fine."""
+    if not isinstance(load, Tensor):
+        raise ValueError(f"{fn}: expected load to be a tensor, but got {type(load).__name__}")
+    if load.dim() != 1 or load.numel() == 0:
+        raise ValueError(f"{fn}: expected load to be a non-empty 1-D tensor [E], but got shape "
+                         f"{tuple(load.shape)}")
+    if load.dtype == torch.bool or load.is_complex():
+        raise ValueError(f"{fn}: expected load to be an integer or floating tensor, but got "
+                         f"{load.dtype}")
+    if num_experts is not None and load.numel() != num_experts:
+        raise ValueError(f"{fn}: expected load of {num_experts} experts, but got "
+                         f"{load.numel()}")
+    load = load.detach().to("cpu", torch.float64)
+    if not torch.isfinite(load).all():
+        bad = (~torch.isfinite(load)).nonzero().flatten().tolist()
+        raise ValueError(f"{fn}: expected a finite load, but experts {bad} have load inf or nan")
+    if (load < 0).any():
+        bad = (load < 0).nonzero().flatten().tolist()
+        raise ValueError(f"{fn}: expected a non-negative load, but experts {bad} have negative "
+                         f"load")
+    return load
+
+
+def _replica_counts(load: list, num_slots: int, max_per_expert: int) -> list:
+    """Hands the ``num_slots - E`` extra slots out one at a time, each to the expert whose
+    per-replica share ``load[e] / replicas[e]`` is largest (lowest index on ties): that is
+    what lowers the largest item the rank assignment has to place. An expert stops at
+    ``max_per_expert`` replicas (one per rank, so replicas never share a rank) unless every
+    expert has reached it."""
+    num_experts = len(load)
+    replicas = [1] * num_experts
+    # heap of (-share, expert): the smallest entry is the largest share, ties by lowest index
+    heap = [(-load[e], e) for e in range(num_experts)]
+    heapq.heapify(heap)
+    capped = []
+    for _ in range(num_slots - num_experts):
+        if not heap:
+            # every expert has one replica per rank: go past the cap rather than leave a slot
+            # empty, taking the experts back with their current shares
+            heap = [(-load[e] / replicas[e], e) for e in capped]
+            heapq.heapify(heap)
+            capped, max_per_expert = [], num_slots
+        _, e = heapq.heappop(heap)
+        replicas[e] += 1
+        if replicas[e] < max_per_expert:
+            heapq.heappush(heap, (-load[e] / replicas[e], e))
+        else:
+            capped.append(e)
+    return replicas
+
+
+def plan_placement(load: Tensor, num_ranks: int, slots_per_rank: int) -> Placement:
+    """Chooses the replicas of each expert and the rank of every physical slot.
+
+    Args:
+        load: ``[E]``, non-negative, integer or floating: the tokens routed to each expert over
+            the last window (``MoE.tokens_per_expert``, summed over data-parallel ranks).
+        num_ranks: ``R``, the size of the expert-parallel group.
+        slots_per_rank: ``S``, physical expert slots per rank; ``R * S >= E``.
+
+    Returns:
+        A :class:`Placement` with ``R * S`` physical slots. The ``R * S - E`` extra slots go to
+        replicas of the most loaded experts, one at a time to the expert with the largest load
+        per replica; a replica serves an equal share of its expert's tokens. The replicas are
+        then assigned to ranks largest share first, each to the least loaded rank that still
+        has a free slot and holds no other replica of the same expert (when such a rank
+        exists). Within a rank the slots are ordered by expert id. Ties go to the lowest expert,
+        replica and rank index, so the result depends only on the arguments.
+    """
+    fn = "plan_placement"
+    num_ranks = _positive_int(fn, "num_ranks", num_ranks)
+    slots_per_rank = _positive_int(fn, "slots_per_rank", slots_per_rank)
+    loadf = _check_load(fn, load)
+    num_experts = loadf.numel()
+    num_slots = num_ranks * slots_per_rank
+    if num_slots < num_experts:
+        raise ValueError(f"{fn}: {num_ranks} ranks x {slots_per_rank} slots = {num_slots} "
+                         f"physical slots cannot hold {num_experts} experts")
+
+    load_list = loadf.tolist()
+    replicas = _replica_counts(load_list, num_slots, max_per_expert=num_ranks)
+
+    # Longest-processing-time order: place the large shares while the ranks are still empty,
+    # so the small ones at the end fill in the gaps.
+    items = sorted(((load_list[e] / replicas[e], e, j)
+                    for e in range(num_experts) for j in range(replicas[e])),
+                   key=lambda it: (-it[0], it[1], it[2]))
+    rank_load = [0.0] * num_ranks
+    free = [slots_per_rank] * num_ranks
+    experts_on = [[] for _ in range(num_ranks)]
+    holds = [set() for _ in range(num_ranks)]
+    for share, e, _ in items:
+        open_ranks = [r for r in range(num_ranks) if free[r] > 0]
+        # Two replicas of one expert on one rank would serve its tokens from one place: no
+        # better than a single replica. Only allow it when every open rank already has one.
+        candidates = [r for r in open_ranks if e not in holds[r]] or open_ranks
+        r = min(candidates, key=lambda r: (rank_load[r], r))
+        rank_load[r] += share
+        free[r] -= 1
+        experts_on[r].append(e)
+        holds[r].add(e)
+
+    phys_to_logical = torch.tensor([e for r in range(num_ranks) for e in sorted(experts_on[r])],
+                                   dtype=torch.int64)
+    return Placement.from_phys_to_logical(phys_to_logical, num_ranks, num_experts)
+
+
+def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
+    """Maps logical expert ids to physical slots, spreading each expert's tokens over its
+    replicas.
+
+    The ``n``-th assignment to expert e, counting row-major over ``topk_ids``, goes to replica
+    ``n % num_replicas[e]``: every replica of e receives the same number of e's assignments, up
+    to one, and the result depends only on ``topk_ids``. Counting is done with a stable sort
+    and a ``searchsorted``, so everything stays on the ids' device with no host
+    synchronisation (and the expert ids are therefore not range-checked here).
+
+    Args:
+        topk_ids: ``[T, k]`` int32 or int64 logical expert ids, in ``[0, E)``.
+        placement: the :class:`Placement` in use.
+
+    Returns:
+        ``[T, k]`` physical slot ids, in ``[0, R * S)``, of the same dtype and device.
+    """
+    fn = "route_to_replicas"
+    if not isinstance(topk_ids, Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"{fn}: expected topk_ids to be a 2-D tensor [T, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: expected topk_ids to be int32 or int64, but got "
+                         f"{topk_ids.dtype}")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    # position of each assignment among the assignments to its expert: its index in the sorted
+    # list minus the index of the expert's first assignment there
+    first = torch.searchsorted(sorted_ids, sorted_ids)
+    occurrence = torch.empty_like(flat)
+    occurrence[order] = torch.arange(flat.numel(), device=device) - first
+    num_replicas = placement.num_replicas.to(device)
+    logical_to_phys = placement.logical_to_phys.to(device)
+    replica = occurrence % num_replicas[flat]
+    phys = logical_to_phys[flat, replica]
+    return phys.view(topk_ids.shape).to(topk_ids.dtype)
+
+
+def rebalance_(state: dict, old: Placement, new: Placement) -> dict:
+    """Lays per-expert tensors out under a new placement.
+
+    Every tensor in ``state`` with at least one dim (expert weights such as ``w1 [P_old, D, F]``
+    and their optimizer state such as ``exp_avg``) has the physical expert dim first, under
+    ``old``; it is replaced by ``[P_new, ...]`` where physical slot p of ``new`` is a copy of
+    the row of its logical expert under ``old``. Replicas of one expert hold identical weights
+    and optimizer state (their gradients are summed over replicas before the step), so any
+    copy will do; if they differ anyway, the first one (lowest physical id under ``old``) is
+    taken. 0-dim tensors (``step``) and non-tensors are left as they are.
+
+    This is the single-process version: all rows are local. Under expert parallelism each rank
+    holds only its ``S`` rows, and the rows move between ranks with an all-to-all whose
+    send counts follow from ``old.rank_of_phys`` and ``new.phys_to_logical``.
+
+    Args:
+        state: name to tensor ``[old.num_physical, ...]``; updated in place.
+        old, new: placements of the same ``E`` logical experts.
+
+    Returns:
+        ``state``, its tensors now ``[new.num_physical, ...]`` and copied bit for bit.
+    """
+    fn = "rebalance_"
+    if old.num_logical != new.num_logical:
+        raise ValueError(f"{fn}: old and new placements must have the same number of logical "
+                         f"experts, but got {old.num_logical} and {new.num_logical}")
+    src = old.logical_to_phys[:, 0][new.phys_to_logical]
+    for name, t in state.items():
+        if isinstance(t, Tensor) and t.dim() > 0 and t.size(0) != old.num_physical:
+            raise ValueError(f"{fn}: expected dim 0 of {name!r} to be the {old.num_physical} "
+                             f"physical experts of the old placement, but got shape "
+                             f"{tuple(t.shape)}")
+    for name, t in list(state.items()):
+        if isinstance(t, Tensor) and t.dim() > 0:
+            state[name] = t.index_select(0, src.to(t.device))
+    return state
+
+
+def zipf_load(num_experts: int, exponent: float, total: int, seed: int) -> Tensor:
+    """A skewed synthetic expert load for planning experiments: ``total`` assignments drawn
+    i.i.d. with probability proportional to ``1 / rank**exponent``, where the experts' ranks are
+    a random permutation (hot experts are not simply the first ids). Returns ``[E]`` int64
+    counts, like ``MoE.tokens_per_expert``; the same arguments give the same counts."""
+    gen = torch.Generator().manual_seed(seed)
+    popularity = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-exponent)
+    probs = popularity[torch.randperm(num_experts, generator=gen)]
+    draws = torch.multinomial(probs, total, replacement=True, generator=gen)
+    return torch.bincount(draws, minlength=num_experts)
