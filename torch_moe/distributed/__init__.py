@@ -3,7 +3,10 @@
 * ``tensor``: DTensor sharding strategies for every torch_moe op (``tensor/_ops/``, registered by
   ``import torch_moe.distributed.tensor``) and token-parallel execution of ``moe_ffn`` / ``MoE``
   on DTensors (``tensor/_token_parallel.py``).
+* ``placement``: expert placement over expert-parallel ranks, with replicas of hot experts, even
+  routing to replicas and rebalancing of expert rows.
+* ``_dispatch_plan``: where routed tokens go under expert parallelism and how many copies each
+  sends (plain, deduplicated, rank-limited routing), with the analytical traffic model.
 
-Expert parallelism (ParallelStyles, the all-to-all token dispatcher, expert placement,
-checkpoint resharding) and the cost model come next.
+The ParallelStyles for experts and the all-to-all dispatcher come next.
 """
