@@ -350,10 +350,17 @@ def scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe: str) 
 # ---------------------------------------------------------------------------------------------
 
 
-def _dequantize_bf16(recipe, data, scale, dim, offs=None):
-    if recipe == "mxfp8":
-        return ops.dequantize_mxfp8(data, scale, dim, out_dtype=torch.bfloat16)
-    return ops.dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype=torch.bfloat16)
+def _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, dtype):
+    """Both operands dequantized to ``dtype`` along their contraction dims (per group in 2D x 2D)."""
+
+    def dq(data, scale, dim, group_offs):
+        if recipe == "mxfp8":
+            return ops.dequantize_mxfp8(data, scale, dim, out_dtype=dtype)
+        return ops.dequantize_fp8_rowwise(data, scale, dim, group_offs, out_dtype=dtype)
+
+    if mat_b.dim() == 3:
+        return dq(mat_a, scale_a, 1, None), dq(mat_b, scale_b, 1, None)
+    return dq(mat_a, scale_a, 1, offs), dq(mat_b, scale_b, 0, offs)
 
 
 def scaled_grouped_mm_emulated_bf16(
@@ -369,24 +376,14 @@ def scaled_grouped_mm_emulated_bf16(
     below 2**-124 (a block or row whose absolute maximum is below about 2**-116). The result
     then equals the fp32 emulation of the CPU kernel up to the order of the fp32 accumulation.
     """
-    if mat_b.dim() == 3:
-        a = _dequantize_bf16(recipe, mat_a, scale_a, 1)
-        b = _dequantize_bf16(recipe, mat_b, scale_b, 1)
-    else:
-        a = _dequantize_bf16(recipe, mat_a, scale_a, 1, offs)
-        b = _dequantize_bf16(recipe, mat_b, scale_b, 0, offs)
+    a, b = _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, torch.bfloat16)
+    if mat_b.dim() == 2:
         # a column-major and b row-major: the one 2D x 2D layout whose CUTLASS setup accepts
         # empty groups (the others assert on the device).
         a = a.t().contiguous().t()
         b = b.contiguous()
     out = torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
     return _zero_outside_groups_(out, offs, mat_b.dim() == 3)
-
-
-def _dequantize_fp32(recipe, data, scale, dim, offs=None):
-    if recipe == "mxfp8":
-        return ops.dequantize_mxfp8(data, scale, dim, out_dtype=torch.float32)
-    return ops.dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype=torch.float32)
 
 
 def scaled_grouped_mm_emulated_triton(
@@ -399,12 +396,7 @@ def scaled_grouped_mm_emulated_triton(
     CPU tensors too under ``TRITON_INTERPRET=1``, which is how it is tested."""
     from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
 
-    if mat_b.dim() == 3:
-        a = _dequantize_fp32(recipe, mat_a, scale_a, 1)
-        b = _dequantize_fp32(recipe, mat_b, scale_b, 1)
-    else:
-        a = _dequantize_fp32(recipe, mat_a, scale_a, 1, offs)
-        b = _dequantize_fp32(recipe, mat_b, scale_b, 0, offs)
+    a, b = _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, torch.float32)
     return triton_grouped_mm(a, b, offs).to(out_dtype)
 
 
