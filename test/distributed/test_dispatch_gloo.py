@@ -9,7 +9,8 @@ weights and weight shards with the single-process ``moe_ffn`` on the full data.
 Each test costs a process spawn plus a gloo rendezvous (about 8 s on 2 CPU cores), so there
 are two:
 
-* gated swiglu, tokens split unevenly, one expert receiving no tokens, and the counters;
+* gated swiglu, tokens split unevenly, one expert receiving no tokens, and the counters; then
+  the same data with deduplicated, chunked (overlapped) dispatch;
 * non-gated gelu where rank 1 has no tokens and no token is routed to rank 1's experts
   (empty send, receive and expert buffers on one rank).
 
@@ -35,8 +36,8 @@ if HAS_GLOO:
     )
 
     from torch_moe.distributed.dispatch import (
-        dispatch_counters,
         expert_parallel_moe_ffn,
+        read_dispatch_counters,
         reset_dispatch_counters,
     )
 else:  # keep the module importable so that the class below is reported as skipped
@@ -64,8 +65,8 @@ class TestDispatchGloo(DTensorTestBase):
     def device_type(self) -> str:
         return "cpu"
 
-    def _check(self, topk_ids, token_splits, activation, gated):
-        """Compare against moe_ffn on the full data; returns nothing, asserts counters."""
+    def _check(self, topk_ids, token_splits, activation, gated, **options):
+        """Compare against moe_ffn on the full data; asserts the counters of plain dispatch."""
         torch.manual_seed(0)  # same global tensors on every rank
         E, D, F = 4, 8, 6
         T, k = topk_ids.shape
@@ -95,7 +96,8 @@ class TestDispatchGloo(DTensorTestBase):
         lw3 = w3[experts].clone().requires_grad_() if gated else None
         reset_dispatch_counters()
         out = expert_parallel_moe_ffn(
-            lx, topk_ids[rows], lw, lw1, lw2, lw3, num_experts=E, activation=activation
+            lx, topk_ids[rows], lw, lw1, lw2, lw3, num_experts=E, activation=activation,
+            **options,
         )
         out.backward(grad_out[rows])
 
@@ -107,6 +109,8 @@ class TestDispatchGloo(DTensorTestBase):
         if gated:
             self.assertEqual(lw3.grad, ref_w3.grad[experts], **FP32_TOL)
 
+        if options:
+            return
         # counters: one row per assignment each way, own copies included
         owner = topk_ids // G
         local_owner = owner[rows]
@@ -116,10 +120,10 @@ class TestDispatchGloo(DTensorTestBase):
             "rows_received": int((owner == rank).sum()),
             "rows_sent_remote": int((local_owner != rank).sum()),
             "rows_received_remote": int((owner == rank).sum() - (local_owner == rank).sum()),
-            "last_rows_sent": local_owner.numel(),
-            "last_rows_received": int((owner == rank).sum()),
         }
-        self.assertEqual(dispatch_counters, expected)
+        counters = read_dispatch_counters()
+        self.assertEqual({name: counters[name] for name in expected}, expected)
+        self.assertEqual(sum(counters["last_expert_load"]), expected["rows_received"])
 
     @with_comms
     def test_swiglu_matches_moe_ffn_with_idle_expert(self):
@@ -129,6 +133,9 @@ class TestDispatchGloo(DTensorTestBase):
         self.assertFalse(bool((topk_ids == 3).any()))
         self.assertTrue(bool((topk_ids // 2 == 1).any()))  # rank 1 still receives rows
         self._check(topk_ids, [5, 6], "swiglu", gated=True)
+        # the same data deduplicated, in 3 chunks whose exchanges run in gloo's background
+        # threads while another chunk computes
+        self._check(topk_ids, [5, 6], "swiglu", gated=True, dedup=True, num_chunks=3)
 
     @with_comms
     def test_gelu_rank_without_tokens_or_routed_rows(self):
