@@ -15,7 +15,7 @@ Weight layout (GEMM layout, ``x @ w``; an ``nn.Linear`` stores the transpose):
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn, Tensor
@@ -205,7 +205,18 @@ class GroupedExperts(nn.Module):
 
     The GEMMs run in the parameters' dtype (fp32 parameters compute in fp32); tokens are cast
     to it.
+
+    Attributes:
+        _dispatch: ``None``, or a callable ``(x [T, D], topk_ids [T, k], topk_weights [T, k])
+            -> y [T, D]`` installed by a ParallelStyle of :mod:`torch_moe.distributed.parallel`
+            (expert or tensor parallel experts). It takes the router's ``topk_ids`` rather
+            than the sorted ids, because tokens must reach the rank that holds their expert;
+            :meth:`MoE.routed_forward` then skips the token sort and calls
+            ``forward(x, None, None, topk_weights, topk_ids=topk_ids)``, which runs it. Going
+            through ``__call__`` keeps module hooks (``fully_shard``'s unshard) working.
     """
+
+    _dispatch: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
 
     def __init__(self, config: MoEConfig, device=None, dtype=None):
         super().__init__()
@@ -223,8 +234,14 @@ class GroupedExperts(nn.Module):
         if self.w3 is not None:
             _init_expert_weight(self.w3, self.config.dim)
 
-    def forward(self, x_TD, sorted_ids, offs, topk_weights) -> Tensor:
-        """``sorted_ids`` / ``offs`` from ``token_sort(..., align=group_alignment(precision))``."""
+    def forward(self, x_TD, sorted_ids, offs, topk_weights, topk_ids=None) -> Tensor:
+        """``sorted_ids`` / ``offs`` from ``token_sort(..., align=group_alignment(precision))``;
+        with a :attr:`_dispatch` installed, ``topk_ids [T, k]`` instead (see above)."""
+        if self._dispatch is not None:
+            if topk_ids is None:
+                raise ValueError("GroupedExperts: these experts are parallelized and route tokens "
+                                 "themselves: expected topk_ids, but got None")
+            return self._dispatch(x_TD, topk_ids, topk_weights)
         c = self.config
         if c.precision != "bf16":
             return quantized_expert_ffn(
@@ -378,13 +395,26 @@ class MoE(nn.Module):
         topk_ids, topk_weights, scores, logits = self.router(x_TD)
         capacity = self.capacity(x_TD.size(0))
         align = group_alignment(c.precision)
-        if capacity is None:
-            sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(topk_ids, c.num_experts, align)
+        if getattr(self.experts, "_dispatch", None) is not None:
+            # parallelized experts (torch_moe.distributed.parallel) move the tokens themselves;
+            # the counts are this rank's assignments, as in the unsharded layer
+            if capacity is not None:
+                raise NotImplementedError("MoE: parallelized experts are dropless, but the "
+                                          f"config has capacity_factor={c.capacity_factor}")
+            ids = topk_ids.reshape(-1).long()
+            counts = torch.zeros(c.num_experts, dtype=torch.int64, device=ids.device)
+            counts.scatter_add_(0, ids, torch.ones_like(ids))
             dropped = None
+            y = self.experts(x_TD, None, None, topk_weights, topk_ids=topk_ids)
         else:
-            sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
-                topk_ids, topk_weights, c.num_experts, capacity, align)
-        y = self.experts(x_TD, sorted_ids, offs, topk_weights)
+            if capacity is None:
+                sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(
+                    topk_ids, c.num_experts, align)
+                dropped = None
+            else:
+                sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
+                    topk_ids, topk_weights, c.num_experts, capacity, align)
+            y = self.experts(x_TD, sorted_ids, offs, topk_weights)
         if self.training:
             y = self._attach_aux_losses(y, scores, topk_ids, logits, seq_len)
         return y, counts, dropped

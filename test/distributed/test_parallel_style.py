@@ -1,0 +1,339 @@
+# Owner(s): ["module: moe"]
+"""ParallelStyles for the experts (``torch_moe.distributed.parallel``), in one process.
+
+The ranks are threads (``DTensorOpTestBase``: four of them, the threaded process group, whose
+``all_to_all_single`` and ``all_reduce`` are real exchanges between the threads), so these
+tests are fast. Every rank builds the same ``MoE`` and the same global tokens, keeps its own
+tokens and compares the parallelized layer with the unsharded one on the tokens of all the
+ranks that share its experts: output, token gradient, every expert weight gradient (a DTensor
+placed like its weight, compared after ``full_tensor()``) and the router and shared-expert
+gradients (this rank's share, summed over the ranks).
+
+* parallelize-time errors: module type, mesh rank, divisibility, already parallelized,
+  precision, capacity factor, unknown dispatch options;
+* weight placements after ``parallelize_module``;
+* ``ExpertParallel`` at EP=4 (1-D mesh) and EP=2 (the ``ep`` dim of a 2 x 2 mesh), gated and
+  non-gated, with shared experts, and the per-rank ``tokens_per_expert``; with the
+  dispatcher's ``dedup`` / ``num_chunks`` options when it has them;
+* ``ExpertTensorParallel`` on a 2 x 2 ``(ep, tp)`` mesh behind tensor-parallel attention
+  (``ColwiseParallel`` / ``RowwiseParallel``);
+* ``TensorParallelExperts`` at TP=4;
+* the worked example of the style module on 8 ranks ``(edp, ep, tp) = 2 x 2 x 2``:
+  tensor-parallel attention, ``ExpertTensorParallel`` and FSDP2 (``fully_shard`` of the
+  experts over ``edp`` on a dim EP and TP leave whole, of the block over ``edp x ep``).
+
+Run: ``python -m pytest test/distributed/test_parallel_style.py -q`` from the repo root, or
+``python test/distributed/test_parallel_style.py``.
+"""
+
+import copy
+import inspect
+import threading
+import unittest
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from torch_moe.nn import GroupedExperts, MoE, MoEConfig
+
+HAS_DIST = dist.is_available()
+
+if HAS_DIST:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        parallelize_module,
+        RowwiseParallel,
+    )
+    from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
+
+    from torch_moe.distributed.dispatch import expert_parallel_moe_ffn, reset_dispatch_counters
+    from torch_moe.distributed.parallel import (
+        ExpertParallel,
+        ExpertTensorParallel,
+        TensorParallelExperts,
+    )
+else:  # keep the module importable so that the class below is reported as skipped
+    DTensorOpTestBase = TestCase
+
+# fp32; the parallel layers only reorder fp32 sums (combine, partial sums over F)
+TOL = {"atol": 1e-6, "rtol": 1e-6}
+
+# the ranks are threads sharing torch's global generator: build modules one at a time
+_INIT_LOCK = threading.Lock()
+
+
+def make_moe(**overrides) -> MoE:
+    cfg = dict(dim=8, hidden_dim=12, num_experts=8, top_k=2)
+    cfg.update(overrides)
+    with _INIT_LOCK:
+        torch.manual_seed(0)
+        return MoE(MoEConfig(**cfg))
+
+
+def global_tokens(num_ranks: int, dim: int = 8):
+    """``(x, grad_y)`` per rank, ``[T_r, D]`` with T_r = 5 + r (uneven), same on every rank."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5 + r, dim, generator=g) for r in range(num_ranks)]
+    gs = [torch.randn(5 + r, dim, generator=g) for r in range(num_ranks)]
+    return xs, gs
+
+
+class _Attention(nn.Module):
+    """Enough of an attention block for Colwise/Rowwise TP: per-head projections, a per-head
+    nonlinearity (standing in for softmax(QK^T)V, which TP leaves local too) and wo."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        with _INIT_LOCK:
+            torch.manual_seed(2)
+            self.wq = nn.Linear(dim, dim, bias=False)
+            self.wv = nn.Linear(dim, dim, bias=False)
+            self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.wo(torch.tanh(self.wq(x)) * self.wv(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, **moe_cfg):
+        super().__init__()
+        self.attn = _Attention(8, 2)
+        self.moe = make_moe(**moe_cfg)
+
+    def forward(self, x):
+        h = x + self.attn(x)
+        return h + self.moe(h)
+
+
+@unittest.skipIf(not HAS_DIST, "torch.distributed is not available")
+class TestParallelStyle(DTensorOpTestBase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    @property
+    def device_type(self) -> str:
+        return "cpu"
+
+    # -----------------------------------------------------------------------------------------
+    # parallelize-time checks and placements
+    # -----------------------------------------------------------------------------------------
+
+    def test_parallelize_errors(self):
+        mesh1 = init_device_mesh("cpu", (4,))
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        cases = [
+            (nn.Linear(8, 8), mesh1, ExpertParallel(), ValueError,
+             "expected a torch_moe MoE or GroupedExperts module, but got Linear"),
+            (make_moe(), mesh2, ExpertParallel(), ValueError,
+             r"expected a 1-D device mesh, but got a 2-D mesh of shape \(2, 2\)"),
+            (make_moe(), mesh1, ExpertTensorParallel(), ValueError,
+             r"expected a 2-D device mesh, but got a 1-D mesh of shape \(4,\)"),
+            (make_moe(num_experts=6), mesh1, ExpertParallel(), ValueError,
+             r"num_experts \(6\) to be divisible by the expert-parallel degree \(4\)"),
+            (make_moe(hidden_dim=6), mesh1, TensorParallelExperts(), ValueError,
+             r"hidden_dim \(6\) to be divisible by the tensor-parallel degree \(4\)"),
+            (make_moe(hidden_dim=5), mesh2, ExpertTensorParallel(), ValueError,
+             r"hidden_dim \(5\) to be divisible by the tensor-parallel \(mesh dim 1\) "
+             r"degree \(2\)"),
+            (make_moe(precision="fp8_rowwise"), mesh1, ExpertParallel(), NotImplementedError,
+             "expected precision='bf16'"),
+            (make_moe(capacity_factor=1.25), mesh1, ExpertParallel(), NotImplementedError,
+             "expected capacity_factor=None, but got 1.25"),
+        ]
+        for module, mesh, style, exc, msg in cases:
+            with self.subTest(style=repr(style), msg=msg), self.assertRaisesRegex(exc, msg):
+                parallelize_module(module, mesh, style)
+
+        moe = make_moe()
+        parallelize_module(moe, mesh1, ExpertParallel())
+        for again in (moe, moe.experts):
+            with self.assertRaisesRegex(ValueError, "already parallelized"):
+                parallelize_module(again, mesh1, TensorParallelExperts())
+        with self.assertRaisesRegex(ValueError, r"unknown dispatch_options \['bogus'\]"):
+            ExpertParallel(dispatch_options={"bogus": 1})
+        with self.assertRaisesRegex(ValueError, "expected topk_ids, but got None"):
+            moe.experts(torch.randn(3, 8), None, None, torch.ones(3, 2))
+
+    def test_placements(self):
+        mesh1 = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        E, D, F = 8, 8, 12
+        expected = {
+            ExpertParallel: (mesh1, {"w1": (Shard(0),), "w2": (Shard(0),), "w3": (Shard(0),)},
+                             {"w1": (2, D, F), "w2": (2, F, D), "w3": (2, D, F)}),
+            ExpertTensorParallel: (mesh2, {"w1": (Shard(0), Shard(2)), "w2": (Shard(0), Shard(1)),
+                                           "w3": (Shard(0), Shard(2))},
+                                   {"w1": (4, D, 6), "w2": (4, 6, D), "w3": (4, D, 6)}),
+            TensorParallelExperts: (mesh1, {"w1": (Shard(2),), "w2": (Shard(1),),
+                                            "w3": (Shard(2),)},
+                                    {"w1": (E, D, 3), "w2": (E, 3, D), "w3": (E, D, 3)}),
+        }
+        for style, (mesh, placements, local_shapes) in expected.items():
+            for target in ("moe", "experts"):
+                moe = make_moe()
+                ref = copy.deepcopy(moe)
+                module = moe if target == "moe" else moe.experts
+                self.assertIs(parallelize_module(module, mesh, style()), module)
+                self.assertIsNotNone(moe.experts._dispatch)
+                self.assertNotIsInstance(moe.router.weight, DTensor)
+                for name in ("w1", "w2", "w3"):
+                    with self.subTest(style=style.__name__, target=target, weight=name):
+                        w = getattr(moe.experts, name)
+                        self.assertIsInstance(w, nn.Parameter)
+                        self.assertIsInstance(w, DTensor)
+                        self.assertEqual(w.placements, placements[name])
+                        self.assertEqual(tuple(w.to_local().shape), local_shapes[name])
+                        self.assertEqual(w.full_tensor(), getattr(ref.experts, name),
+                                         atol=0, rtol=0)
+
+    # -----------------------------------------------------------------------------------------
+    # numerics against the unsharded layer
+    # -----------------------------------------------------------------------------------------
+
+    def _compare(self, model, ref, tokens_of, token_ids, grad_sum_group):
+        """Runs ``model`` on this rank's tokens ``tokens_of(rank)`` and ``ref`` on the token sets
+        ``token_ids`` (concatenated); compares output, x.grad and every parameter gradient.
+        Expert gradients are whole after ``full_tensor()``; the others are this rank's share,
+        summed over ``grad_sum_group`` (None: already whole)."""
+        xs, gs = global_tokens(self.world_size)
+        me = tokens_of(self.rank)
+        x = xs[me].clone().requires_grad_()
+        y = model(x)
+        y.backward(gs[me])
+
+        ref_x = torch.cat([xs[i] for i in token_ids]).requires_grad_()
+        ref_y = ref(ref_x)
+        ref_y.backward(torch.cat([gs[i] for i in token_ids]))
+        start = sum(xs[i].size(0) for i in token_ids[: token_ids.index(me)])
+        mine = slice(start, start + x.size(0))
+
+        self.assertEqual(y, ref_y[mine], **TOL)
+        self.assertEqual(x.grad, ref_x.grad[mine], **TOL)
+        ref_params = dict(ref.named_parameters())
+        experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts)
+                   for p in m.parameters()}
+        for name, p in model.named_parameters():
+            with self.subTest(param=name):
+                grad = p.grad
+                if isinstance(p, DTensor):
+                    self.assertIsInstance(grad, DTensor)
+                    self.assertEqual(grad.placements, p.placements)
+                    grad = grad.full_tensor()
+                if id(p) not in experts and grad_sum_group is not None:
+                    # data parallel over the group: this rank's share of the gradient
+                    grad = grad.clone()
+                    dist.all_reduce(grad, group=grad_sum_group)
+                self.assertEqual(grad, ref_params[name].grad, **TOL)
+
+    def test_expert_parallel_matches_moe(self):
+        for ep, activation, shared in ((4, "swiglu", 1), (2, "gelu", 0), (2, "swiglu_oai", 1)):
+            with self.subTest(ep=ep, activation=activation):
+                # the dispatcher's per-expert counters are sized by the experts per rank
+                reset_dispatch_counters()
+                moe = make_moe(activation=activation, num_shared_experts=shared)
+                ref = copy.deepcopy(moe)
+                if ep == 4:
+                    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+                    ep_mesh, group_ranks = mesh, [0, 1, 2, 3]
+                else:
+                    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+                    ep_mesh = mesh["ep"]
+                    group_ranks = ep_mesh.mesh.tolist()
+                parallelize_module(moe, ep_mesh, ExpertParallel())
+                # router / shared experts are data parallel over the EP group
+                self._compare(moe, ref, lambda r: r, group_ranks, ep_mesh.get_group())
+
+                # the counts are those of this rank's tokens
+                xs, _ = global_tokens(self.world_size)
+                with torch.no_grad():
+                    ids = ref.router(xs[self.rank])[0]
+                expected = torch.bincount(ids.reshape(-1), minlength=8)
+                self.assertEqual(moe.tokens_per_expert, expected, atol=0, rtol=0)
+
+    def test_expert_parallel_dispatch_options(self):
+        # forwarded to expert_parallel_moe_ffn as given; only the options that keep the result
+        # exact (capacity mode drops assignments)
+        accepted = inspect.signature(expert_parallel_moe_ffn).parameters
+        options = {k: v for k, v in (("dedup", True), ("num_chunks", 2)) if k in accepted}
+        if not options:
+            self.skipTest("expert_parallel_moe_ffn takes no dedup / num_chunks options")
+        reset_dispatch_counters()
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        moe = make_moe()
+        ref = copy.deepcopy(moe)
+        style = ExpertParallel(dispatch_options=options)
+        self.assertEqual(style.dispatch_options, options)
+        parallelize_module(moe, mesh, style)
+        self._compare(moe, ref, lambda r: r, [0, 1, 2, 3], mesh.get_group())
+
+    def test_expert_tensor_parallel_with_tp_attention(self):
+        # mesh (ep, tp) = 2 x 2: tokens per ep rank, replicated over tp
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        model = _Block()
+        ref = copy.deepcopy(model)
+        parallelize_module(model.attn, mesh["tp"], {
+            "wq": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+        parallelize_module(model.moe, mesh, ExpertTensorParallel())
+        ep_ranks = mesh.mesh[:, mesh.get_coordinate()[1]].tolist()  # my ep group
+        # the ranks of an ep group hold different tokens (ep coordinate r // 2); tp peers hold
+        # the same ones. Attention and router are data parallel over ep.
+        self._compare(model, ref, lambda r: r // 2, [r // 2 for r in ep_ranks],
+                      mesh["ep"].get_group())
+
+    def test_tensor_parallel_experts_matches_moe(self):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        moe = make_moe(num_shared_experts=1)
+        ref = copy.deepcopy(moe)
+        parallelize_module(moe, mesh, TensorParallelExperts())
+        # the same tokens on every rank: plain gradients are already whole
+        self._compare(moe, ref, lambda r: 0, [0], None)
+
+
+@unittest.skipIf(not HAS_DIST, "torch.distributed is not available")
+class TestParallelStyleWorkedExample(DTensorOpTestBase):
+    """The worked example of ``torch_moe.distributed.parallel.style`` on 8 ranks."""
+
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    @property
+    def device_type(self) -> str:
+        return "cpu"
+
+    _compare = TestParallelStyle._compare
+
+    def test_fsdp2_tp_attention_expert_tensor_parallel(self):
+        # ranks (edp, ep, tp) = 2 x 2 x 2; tokens differ along edp and ep (dp index r // 2)
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("edp", "ep", "tp"))
+        dp_mesh = mesh["edp", "ep"]._flatten("dp")
+        model = _Block()
+        ref = copy.deepcopy(model)
+        parallelize_module(model.attn, mesh["tp"], {
+            "wq": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+        parallelize_module(model.moe, mesh["ep", "tp"], ExpertTensorParallel())
+        experts = model.moe.experts
+        # shard the model dim D, which neither ep (dim 0) nor tp (F) shards
+        fully_shard(experts, mesh=mesh["edp"],
+                    shard_placement_fn=lambda p: Shard(2 if p is experts.w2 else 1))
+        fully_shard(model, mesh=dp_mesh)
+        for m in (model, experts):
+            # sum, not mean, over data parallel ranks, as the reference does; with SUM
+            # collectives only, the ones the threaded and gloo process groups have
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+        self.assertEqual(experts.w1.placements, (Shard(1), Shard(0), Shard(2)))
+        self.assertEqual(experts.w2.placements, (Shard(2), Shard(0), Shard(1)))
+        self.assertEqual(experts.w1.device_mesh.mesh_dim_names, ("edp", "ep", "tp"))
+        # every gradient is reduced by FSDP: whole after full_tensor()
+        self._compare(model, ref, lambda r: r // 2, [0, 1, 2, 3], None)
+
+
+if __name__ == "__main__":
+    run_tests()

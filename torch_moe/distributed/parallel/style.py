@@ -1,0 +1,368 @@
+"""ParallelStyles for the routed experts of :class:`torch_moe.nn.MoE`, for
+:func:`torch.distributed.tensor.parallel.parallelize_module`.
+
+Shape legend as in :mod:`torch_moe.nn.modules.moe`: T tokens of this rank, D model dim, F expert
+FFN dim, E experts, k experts per token. Expert weights: ``w1, w3 [E, D, F]``, ``w2 [E, F, D]``.
+
+* :class:`ExpertParallel`, 1-D mesh ``ep``: every weight ``Shard(0)`` (experts split over the
+  ranks); each rank holds its own tokens, which travel to their experts and back (all-to-all).
+* :class:`ExpertTensorParallel`, 2-D mesh ``(ep, tp)``: w1/w3 ``(Shard(0), Shard(2))``, w2
+  ``(Shard(0), Shard(1))`` (experts split over ``ep``, F over ``tp``); the ranks of a ``tp``
+  group hold the same tokens.
+* :class:`TensorParallelExperts`, 1-D mesh ``tp``: w1/w3 ``Shard(2)``, w2 ``Shard(1)`` (F split,
+  all experts on every rank); all ranks hold the same tokens.
+
+A style applies to a :class:`~torch_moe.nn.GroupedExperts` or to a :class:`~torch_moe.nn.MoE`
+(then to its ``experts``; router and shared experts stay plain, replicated modules). The layer
+keeps taking and returning plain ``torch.Tensor`` s: each rank passes its own tokens and gets
+their outputs. The style distributes the expert weights as DTensors and installs
+``GroupedExperts._dispatch``, through which :meth:`MoE.routed_forward` hands the router's
+``topk_ids`` to the experts (expert parallelism must know each token's expert, not a locally
+sorted order). The forward runs on the local shards (``DTensor.to_local()``), so every weight
+gradient is a DTensor placed like its weight.
+
+The ``ep`` ranks hold different tokens, so they are data parallel for the plain parameters
+(router, shared experts): each rank's gradient is the share of its tokens, to be summed by the
+data-parallel wrapper (``fully_shard`` / DDP) over a mesh that includes ``ep``. Over ``tp``
+the plain parameters see the same tokens and get the same, whole gradients. The counts
+``MoE.tokens_per_expert`` are those of this rank's tokens. A DTensor input is not supported
+(it would take the token-parallel path of :mod:`torch_moe.distributed.tensor`, which rejects
+these placements): pass each rank's local tokens.
+
+Not supported (raise at parallelize time): ``precision`` other than ``"bf16"`` (the
+expert-parallel dispatcher runs the plain grouped FFN) and ``capacity_factor`` (the styles are
+dropless).
+
+Worked example: a block with tensor-parallel attention and experts that are expert parallel
+with expert tensor parallelism, on 8 ranks ``(edp, ep, tp) = (2, 2, 2)``. Tokens are split over
+``edp`` and ``ep`` (data parallel) and replicated over ``tp``; attention is Megatron-style TP on
+``tp`` (its output, the MoE input, is a plain tensor replicated over ``tp``); the experts are
+sharded on ``ep`` and on their FFN dim over ``tp``; FSDP2 shards the experts once more over
+``edp``, on the model dim D, which neither of them shards, and the rest of the block over the
+flattened ``edp x ep`` mesh (``test/distributed/test_parallel_style.py`` runs this)::
+
+    >>> # xdoctest: +SKIP("distributed")
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> from torch.distributed.tensor import Shard
+    >>> from torch.distributed.tensor.parallel import (
+    ...     ColwiseParallel, RowwiseParallel, parallelize_module)
+    >>> from torch_moe.distributed.parallel import ExpertTensorParallel
+    >>> from torch_moe.nn import MoE, MoEConfig
+    >>>
+    >>> class Block(nn.Module):
+    ...     def __init__(self, dim):
+    ...         super().__init__()
+    ...         self.attn = Attention(dim)  # nn.Linear projections wq, wk, wv, wo
+    ...         self.moe = MoE(MoEConfig(dim=dim, hidden_dim=4 * dim, num_experts=8, top_k=2))
+    ...
+    ...     def forward(self, x):  # x [B, L, dim]: this data-parallel rank's tokens
+    ...         h = x + self.attn(x)
+    ...         return h + self.moe(h)
+    >>>
+    >>> mesh = init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("edp", "ep", "tp"))
+    >>> dp_mesh = mesh["edp", "ep"]._flatten("dp")
+    >>> block = Block(1024)
+    >>> parallelize_module(block.attn, mesh["tp"], {
+    ...     "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+    ...     "wo": RowwiseParallel()})
+    >>> parallelize_module(block.moe, mesh["ep", "tp"], ExpertTensorParallel())
+    >>> experts = block.moe.experts  # w1/w3 [E, D, F] and w2 [E, F, D]: D is dim 1 / dim 2
+    >>> fully_shard(experts, mesh=mesh["edp"],
+    ...             shard_placement_fn=lambda p: Shard(2 if p is experts.w2 else 1))
+    >>> fully_shard(block, mesh=dp_mesh)  # attention (2-D with tp), router, shared experts
+
+Without tensor parallelism the mesh is ``(edp, ep)``, the experts get
+``parallelize_module(block.moe, mesh["ep"], ExpertParallel())`` and
+``fully_shard(experts, mesh=mesh["edp"], shard_placement_fn=lambda p: Shard(1))`` (dim 1 of
+every expert weight is whole under EP). On gloo, whose reduce-scatter has no ``PREMUL_SUM``,
+call ``set_force_sum_reduction_for_comms(True)`` on an FSDP module whose gradient divide
+factor is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn, Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor, DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
+from torch_moe.nn import functional as F_moe
+from torch_moe.nn.modules.moe import GroupedExperts, MoE
+
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
+
+_WEIGHTS = ("w1", "w2", "w3")
+# the FFN dim F of each weight: w1/w3 [E, D, F], w2 [E, F, D]
+_FFN_DIM = {"w1": 2, "w2": 1, "w3": 2}
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``.
+
+    The input is replicated over the tensor-parallel ranks and each rank uses it with its own
+    shard of F, so each rank's gradient is the share of its shard: the input's gradient is the
+    sum over ranks.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward all-reduces (sums) the partial outputs over ``group``; identity backward.
+
+    The sum is replicated, so the (replicated) gradient of each rank's partial output is the
+    gradient of the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def _local(w: Optional[Tensor]) -> Optional[Tensor]:
+    # to_local() is differentiable: the gradient of the shard lands on the DTensor parameter
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class _ExpertStyle(ParallelStyle):
+    """Shared parallelize-time logic: the module, the mesh, the config, the weights."""
+
+    _mesh_ndim: int = 1
+
+    def _placements(self, name: str) -> list:
+        raise NotImplementedError
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        raise NotImplementedError
+
+    def _run(self, experts: GroupedExperts, mesh: DeviceMesh, x: Tensor, topk_ids: Tensor,
+             topk_weights: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        if isinstance(module, MoE):
+            experts = module.experts
+        elif isinstance(module, GroupedExperts):
+            experts = module
+        else:
+            raise ValueError(
+                f"{name}: expected a torch_moe MoE or GroupedExperts module, but got "
+                f"{type(module).__name__}"
+            )
+        if experts._dispatch is not None or any(
+            isinstance(p, DTensor) for p in experts.parameters()
+        ):
+            raise ValueError(
+                f"{name}: the experts are already parallelized (their weights are DTensors or "
+                "a dispatch is installed); parallelize a module once"
+            )
+        if device_mesh.ndim != self._mesh_ndim:
+            raise ValueError(
+                f"{name}: expected a {self._mesh_ndim}-D device mesh, but got a "
+                f"{device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}"
+            )
+        c = experts.config
+        if c.precision != "bf16":
+            raise NotImplementedError(
+                f"{name}: expected precision='bf16' (plain expert GEMMs in the weights' dtype), "
+                f"but got precision={c.precision!r}"
+            )
+        if c.capacity_factor is not None:
+            raise NotImplementedError(
+                f"{name}: parallelized experts are dropless: expected capacity_factor=None, but "
+                f"got {c.capacity_factor} (the dispatcher's own capacity, per pair of ranks, is "
+                "a dispatch option of the expert-parallel styles)"
+            )
+        self._check_sizes(experts, device_mesh)
+        for w in _WEIGHTS:
+            param = getattr(experts, w)
+            if param is None:
+                continue
+            dparam = distribute_tensor(param, device_mesh, self._placements(w),
+                                       src_data_rank=self.src_data_rank)
+            experts.register_parameter(w, nn.Parameter(dparam, requires_grad=param.requires_grad))
+        # the callable reads the parameters at call time: fully_shard swaps them in and out
+        experts._dispatch = functools.partial(self._run, experts, device_mesh)
+        return module
+
+
+def _check_divides(name: str, what: str, size: int, mesh_what: str, degree: int) -> None:
+    if size % degree != 0:
+        raise ValueError(
+            f"{name}: expected {what} ({size}) to be divisible by the {mesh_what} degree "
+            f"({degree})"
+        )
+
+
+def _check_dispatch_options(name: str, options: dict) -> dict:
+    # checked here, not at the first forward: the accepted keywords follow the dispatcher
+    accepted = {
+        p.name for p in inspect.signature(expert_parallel_moe_ffn).parameters.values()
+        if p.kind == inspect.Parameter.KEYWORD_ONLY
+    } - {"num_experts", "group", "activation", "alpha", "limit"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown dispatch_options {unknown}; expert_parallel_moe_ffn accepts "
+            f"{sorted(accepted)}"
+        )
+    return dict(options)
+
+
+class ExpertParallel(_ExpertStyle):
+    """Shard the experts on the expert dim over a 1-D expert-parallel mesh.
+
+    Rank ``r`` of the ``R`` ranks holds experts ``r * E / R ... (r + 1) * E / R - 1``: every
+    expert weight becomes a ``Shard(0)`` DTensor. In the forward each rank routes its own tokens
+    ``x [T, D]`` (T may differ between ranks), sends every (token, expert) assignment to the
+    rank of that expert and gets the expert outputs back, with
+    :func:`torch_moe.distributed.dispatch.expert_parallel_moe_ffn` over ``device_mesh``'s
+    process group (one host synchronisation per layer call; every EP rank must call the layer
+    the same number of times). The result, and every gradient, equals the unsharded layer's on
+    the tokens of all ranks.
+
+    Keyword Args:
+        dispatch_options (dict, optional): extra keyword arguments of
+            :func:`~torch_moe.distributed.dispatch.expert_parallel_moe_ffn`, passed as given;
+            unknown keys raise at parallelize time.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> ep_mesh = init_device_mesh("cuda", (4,), mesh_dim_names=("ep",))
+        >>> moe = MoE(MoEConfig(dim=1024, hidden_dim=2048, num_experts=8, top_k=2))
+        >>> parallelize_module(moe, ep_mesh, ExpertParallel())  # 2 experts per rank
+        >>> y = moe(x)  # x: this rank's tokens [B, L, 1024]
+    """
+
+    def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
+        super().__init__()
+        self.dispatch_options = _check_dispatch_options(type(self).__name__,
+                                                        dispatch_options or {})
+
+    def _placements(self, name: str) -> list:
+        return [Shard(0)]
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        _check_divides(type(self).__name__, "num_experts", experts.config.num_experts,
+                       "expert-parallel", mesh.size())
+
+    def _run(self, experts, mesh, x, topk_ids, topk_weights):
+        c = experts.config
+        w1 = experts.w1
+        return expert_parallel_moe_ffn(
+            x.to(w1.dtype), topk_ids, topk_weights, _local(w1), _local(experts.w2),
+            _local(experts.w3), num_experts=c.num_experts, group=mesh.get_group(),
+            activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+            **self.dispatch_options,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dispatch_options={self.dispatch_options})"
+
+
+class ExpertTensorParallel(_ExpertStyle):
+    """Expert parallel on mesh dim 0 (``ep``) with the FFN dim of every expert sharded on mesh
+    dim 1 (``tp``): EP x TP on a 2-D mesh, e.g. ``mesh["ep", "tp"]``.
+
+    Placements: w1 and w3 ``[Shard(0), Shard(2)]``, w2 ``[Shard(0), Shard(1)]``. The ranks of
+    a ``tp`` group hold the same tokens (the output of tensor-parallel attention is replicated
+    over ``tp``) and the same experts, each a slice of F. Every rank dispatches its tokens over
+    its ``ep`` group, as in :class:`ExpertParallel`, to F-slices of the experts; the expert
+    outputs are then partial sums over F, added up by an all-reduce over ``tp``. In the
+    backward, the gradients of the tokens and of the routing weights are all-reduced over
+    ``tp`` (each F-slice contributes its share), so the router sees the full gradient.
+
+    Keyword Args:
+        dispatch_options (dict, optional): as in :class:`ExpertParallel`.
+    """
+
+    _mesh_ndim = 2
+
+    def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
+        super().__init__()
+        self.dispatch_options = _check_dispatch_options(type(self).__name__,
+                                                        dispatch_options or {})
+
+    def _placements(self, name: str) -> list:
+        return [Shard(0), Shard(_FFN_DIM[name])]
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        name = type(self).__name__
+        _check_divides(name, "num_experts", experts.config.num_experts, "expert-parallel (mesh "
+                       "dim 0)", mesh.size(0))
+        _check_divides(name, "hidden_dim", experts.config.hidden_dim, "tensor-parallel (mesh "
+                       "dim 1)", mesh.size(1))
+
+    def _run(self, experts, mesh, x, topk_ids, topk_weights):
+        c = experts.config
+        w1 = experts.w1
+        tp_group = mesh.get_group(1)
+        x = _CopyToTensorParallel.apply(x.to(w1.dtype), tp_group)
+        topk_weights = _CopyToTensorParallel.apply(topk_weights, tp_group)
+        partial_y = expert_parallel_moe_ffn(
+            x, topk_ids, topk_weights, _local(w1), _local(experts.w2), _local(experts.w3),
+            num_experts=c.num_experts, group=mesh.get_group(0), activation=c.activation,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.dispatch_options,
+        )
+        return _ReduceFromTensorParallel.apply(partial_y, tp_group)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dispatch_options={self.dispatch_options})"
+
+
+class TensorParallelExperts(_ExpertStyle):
+    """Tensor parallel for every expert, without expert parallelism, on a 1-D ``tp`` mesh.
+
+    The name says what is sharded: each expert's FFN, the Megatron way (w1 and w3 column-wise
+    ``Shard(2)``, w2 row-wise ``Shard(1)``), all experts on every rank. It is
+    :class:`ExpertTensorParallel` with an expert-parallel degree of one, without the all-to-all:
+    every rank runs all E experts on all its tokens (the same tokens on every ``tp`` rank)
+    with its slice of F, and the partial outputs are summed by an all-reduce over ``tp``; the
+    gradients of the tokens and routing weights are all-reduced in the backward.
+    """
+
+    def _placements(self, name: str) -> list:
+        return [Shard(_FFN_DIM[name])]
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        _check_divides(type(self).__name__, "hidden_dim", experts.config.hidden_dim,
+                       "tensor-parallel", mesh.size())
+
+    def _run(self, experts, mesh, x, topk_ids, topk_weights):
+        c = experts.config
+        w1 = experts.w1
+        tp_group = mesh.get_group()
+        x = _CopyToTensorParallel.apply(x.to(w1.dtype), tp_group)
+        topk_weights = _CopyToTensorParallel.apply(topk_weights, tp_group)
+        partial_y = F_moe.moe_ffn(
+            x, topk_ids, topk_weights, _local(w1), _local(experts.w2), _local(experts.w3),
+            activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+        )
+        return _ReduceFromTensorParallel.apply(partial_y, tp_group)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
