@@ -1,0 +1,446 @@
+# Owner(s): ["module: moe"]
+"""The MoE cost model, device profiles, calibration and planner
+(``torch_moe/distributed/_tools/``).
+
+Checked: the formulas on hand-computed cases (one GEMM, a grouped GEMM with tile padding and
+overheads, the all-to-all alpha-beta model, model states and saved activations, page faults);
+properties under hypothesis (more tokens never cost less, dedup never sends more than plain,
+node-limited never more than dedup, the planner's pick fits the memory limit and no feasible
+strategy is faster); clear errors for bad configurations; a quick calibration run and the JSON
+round trip of profiles. No timing benchmark runs here.
+
+Run: ``python test/distributed/test_cost_model.py``.
+"""
+
+import dataclasses
+import math
+import os
+import tempfile
+
+import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from torch.testing._internal.common_utils import IS_CI, TestCase, run_tests
+
+from torch_moe.distributed._tools import calibrate, comm_cost, gemm_cost, memory_cost
+from torch_moe.distributed._tools.cost_model import (
+    MoELayerSpec,
+    MoEStrategy,
+    expert_counts,
+    moe_layer_cost,
+    rank_imbalance,
+)
+from torch_moe.distributed._tools.device_profiles import (
+    H100,
+    LOCAL_CPU_NOTES,
+    DeviceProfile,
+    get_profile,
+)
+from torch_moe.distributed._tools.planner import (
+    AttentionSpec,
+    ClusterSpec,
+    ModelSpec,
+    Strategy,
+    candidate_strategies,
+    deepseek_v3,
+    estimate_step,
+    format_plan,
+    mixtral_8x7b,
+    plan,
+)
+
+_MiB = 2**20
+
+
+def cost_settings(max_examples):
+    # the suite's hypothesis profile (test/test_properties.py): bounded, derandomised under CI
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=IS_CI,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+def _toy_profile(**overrides):
+    """Round numbers for hand-computed cases: 1 TFLOP/s bf16, 2 fp8, 128-row tiles."""
+    fields = dict(
+        name="toy",
+        peak_flops={"bf16": 1e12, "fp8_rowwise": 2e12, "mxfp8": 2e12},
+        memory_bytes=1e10,
+        memory_bandwidth_Bps=1e11,
+        intra_node_bandwidth_Bps=1e11,
+        intra_node_latency_s=1e-5,
+        inter_node_bandwidth_Bps=5e10,
+        inter_node_latency_s=2e-5,
+        gemm_tile_rows=128,
+        gemm_efficiency=((128, 0.5), (1024, 1.0)),
+        wgrad_efficiency=((128, 0.25), (1024, 1.0)),
+        gemm_call_s=1e-5,
+        per_group_s=1e-6,
+    )
+    fields.update(overrides)
+    return DeviceProfile(**fields)
+
+
+class TestFormulas(TestCase):
+    def test_gemm_time_tile_padding(self):
+        prof = _toy_profile()
+        # 100 rows run as one 128-row tile at efficiency 0.5: 2 * 128 * 256 * 512 / 0.5e12
+        self.assertAlmostEqual(gemm_cost.gemm_time_s(prof, "bf16", 100, 256, 512),
+                               2 * 128 * 256 * 512 / 0.5e12, delta=1e-15)
+        # 1024 rows at full efficiency; fp8 doubles the peak
+        self.assertAlmostEqual(gemm_cost.gemm_time_s(prof, "fp8_rowwise", 1024, 256, 512),
+                               2 * 1024 * 256 * 512 / 2e12, delta=1e-15)
+        # the weight-gradient form has its own curve
+        self.assertAlmostEqual(gemm_cost.gemm_time_s(prof, "bf16", 128, 256, 512, wgrad=True),
+                               2 * 128 * 256 * 512 / 0.25e12, delta=1e-15)
+
+    def test_efficiency_interpolation(self):
+        prof = _toy_profile(gemm_tile_rows=1)
+        # linear between (128, 0.5) and (1024, 1.0): 576 rows -> 0.75
+        self.assertAlmostEqual(prof.gemm_flops("bf16", 576), 0.75e12)
+        self.assertAlmostEqual(prof.gemm_flops("bf16", 4), 0.5e12)  # clamped below
+        self.assertAlmostEqual(prof.gemm_flops("bf16", 10**6), 1e12)  # and above
+
+    def test_grouped_gemm_time(self):
+        prof = _toy_profile()
+        counts = [100, 0, 1024]
+        expected = (1e-5 + 2 * 1e-6  # one call, two non-empty groups; the empty one is free
+                    + 2 * 128 * 256 * 512 / 0.5e12 + 2 * 1024 * 256 * 512 / 1e12)
+        for c in (counts, torch.tensor(counts)):
+            self.assertAlmostEqual(gemm_cost.grouped_gemm_time_s(prof, "bf16", c, 256, 512),
+                                   expected, delta=1e-15)
+        self.assertEqual(gemm_cost.grouped_gemm_time_s(prof, "bf16", [0, 0], 256, 512), 0.0)
+
+    def test_skew_costs_more_than_the_mean(self):
+        # same total rows: one hot expert and seven tiny ones pay tile padding and low
+        # efficiency that eight equal groups do not
+        prof = _toy_profile()
+        even = gemm_cost.expert_ffn_time(prof, "bf16", [256] * 8, 512, 256).total_s
+        skew = gemm_cost.expert_ffn_time(prof, "bf16", [1827] + [5] * 7, 512, 256).total_s
+        self.assertGreater(skew, even)
+
+    def test_expert_ffn_backward_is_twice_forward_flops(self):
+        prof = _toy_profile(gemm_tile_rows=1, gemm_efficiency=((1, 1.0),),
+                            wgrad_efficiency=((1, 1.0),), gemm_call_s=0.0, per_group_s=0.0)
+        t = gemm_cost.expert_ffn_time(prof, "bf16", [64, 32], 128, 96)
+        fwd = 2 * 96 * (128 * 192 + 96 * 128) / 1e12
+        self.assertAlmostEqual(t.forward_s, fwd, delta=1e-15)
+        self.assertAlmostEqual(t.dgrad_s + t.wgrad_s, 2 * fwd, delta=1e-15)
+        self.assertEqual(t.recompute_s, 0.0)
+
+    def test_quantize_and_scales(self):
+        prof = _toy_profile()
+        self.assertEqual(gemm_cost.scale_bytes("fp8_rowwise", 10, 1024), 40.0)
+        # MXFP8: 32 blocks per row, padded to 128 rows x 4 columns of scales
+        self.assertEqual(gemm_cost.scale_bytes("mxfp8", 1, 1024), 128 * 32)
+        self.assertEqual(gemm_cost.scale_bytes("bf16", 10, 1024), 0.0)
+        # read bf16 (2 B) + write fp8 (1 B) + fp32 row scales, over 1e11 B/s
+        self.assertAlmostEqual(gemm_cost.quantize_time_s(prof, "fp8_rowwise", 10, 1024),
+                               (10 * 1024 * 3 + 40) / 1e11)
+        self.assertEqual(gemm_cost.quantize_time_s(prof, "bf16", 10, 1024), 0.0)
+
+    def test_page_faults(self):
+        sizes = [64 * _MiB, 16 * _MiB]  # only the first is above the 32 MiB threshold
+        self.assertAlmostEqual(gemm_cost.fresh_alloc_time_s(LOCAL_CPU_NOTES, sizes),
+                               64 * 0.3e-3)
+        self.assertEqual(gemm_cost.fresh_alloc_time_s(H100, sizes), 0.0)
+
+    def test_all_to_all_alpha_beta(self):
+        prof = _toy_profile()
+        # both links at once; the slower (network: 2e-5 + 1e9 / 5e10) sets the time
+        self.assertAlmostEqual(comm_cost.all_to_all_time_s(prof, 1e8, 1e9), 2e-5 + 0.02)
+        self.assertAlmostEqual(comm_cost.all_to_all_time_s(prof, 1e8, 0.0), 1e-5 + 1e-3)
+        self.assertAlmostEqual(comm_cost.all_to_all_time_s(prof, 1e8, 0.0, calls=3),
+                               3e-5 + 1e-3)
+
+    def test_ring_collective(self):
+        prof = _toy_profile()
+        self.assertAlmostEqual(comm_cost.ring_collective_time_s(prof, 8e9, 8, False),
+                               7 * (1e-5 + 1e9 / 1e11))
+        self.assertEqual(comm_cost.ring_collective_time_s(prof, 8e9, 1, True), 0.0)
+
+    def test_dispatch_traffic(self):
+        # 16 ranks on 2 nodes of 8: half the copies of plain dispatch leave the node
+        t = comm_cost.dispatch_traffic(16, 4, 16, 1, 8, "plain")
+        self.assertEqual((t.copies, t.intra_copies, t.inter_copies), (4.0, 2.0, 2.0))
+        d = comm_cost.dispatch_traffic(16, 4, 16, 1, 8, "dedup")
+        self.assertEqual(d.copies, 4.0)  # one expert per rank: dedup changes nothing
+        # E=256, k=8, 64 ranks on 8 nodes, node-limited to 4: at most 4 network copies,
+        # 7/8 of them remote
+        n = comm_cost.dispatch_traffic(256, 8, 64, 1, 8, "node_limited", max_nodes=4)
+        self.assertAlmostEqual(n.inter_copies, 4 * 7 / 8)
+        self.assertEqual(comm_cost.ep_nodes(64, 1, 8), 8)
+        self.assertEqual(comm_cost.ep_nodes(2, 2, 8), 1)
+
+    def test_layer_a2a_hand_computed(self):
+        prof = _toy_profile()
+        layer = MoELayerSpec(dim=1024, hidden_dim=512, num_experts=16, top_k=2)
+        cost = moe_layer_cost(layer, MoEStrategy(ep=16, dispatch="plain"), prof,
+                              tokens_per_rank=1000, gpus_per_node=8)
+        # per call: 1000 tokens x 2 copies x 2048 B, half over each link; the network is slower
+        per_call = 2e-5 + 1000 * 1 * 2048 / 5e10
+        self.assertAlmostEqual(cost.a2a_s, 4 * per_call)  # dispatch + combine, fwd and bwd
+        self.assertAlmostEqual(cost.exposed_a2a_s, cost.a2a_s)  # one chunk hides nothing
+        self.assertEqual(cost.imbalance, 1.0)
+        self.assertEqual(cost.rows, 2000.0)
+
+    def test_chunks_hide_communication(self):
+        # flat efficiency and no latency: chunking keeps compute and hides communication
+        prof = _toy_profile(gemm_tile_rows=1, gemm_efficiency=((1, 1.0),),
+                            wgrad_efficiency=((1, 1.0),), gemm_call_s=0.0, per_group_s=0.0,
+                            intra_node_latency_s=0.0, inter_node_latency_s=0.0)
+        layer = MoELayerSpec(dim=1024, hidden_dim=512, num_experts=16, top_k=2)
+        one, four = (moe_layer_cost(layer, MoEStrategy(ep=16, num_chunks=c), prof, 4096, 8)
+                     for c in (1, 4))
+        self.assertAlmostEqual(one.compute_s, four.compute_s)
+        self.assertAlmostEqual(one.a2a_s, four.a2a_s)
+        self.assertLess(four.exposed_a2a_s, one.exposed_a2a_s)
+        c = 4
+        d, p = four.a2a_s / c / 4, four.compute_s / c
+        # forward: comm d + d vs compute p / 3; backward: 2d vs 2p / 3 (two thirds of FLOPs)
+        pf, pb = p / 3, 2 * p / 3
+        expected = sum(2 * d + q + (c - 1) * max(2 * d, q) for q in (pf, pb))
+        self.assertAlmostEqual(four.total_s, expected, delta=1e-12 * expected + 1e-4 * pf)
+
+    def test_model_states(self):
+        mixed = memory_cost.ADAMW_MIXED  # 2 + 4 + 4 + 8 bytes per parameter
+        self.assertEqual(memory_cost.model_state_bytes(1e9, 8, "fsdp", mixed), 18e9 / 8)
+        # ZeRO-1: compute copy and grads replicated, master + Adam moments sharded
+        self.assertEqual(memory_cost.model_state_bytes(1e9, 8, "zero1", mixed), 7.5e9)
+        self.assertEqual(memory_cost.model_state_bytes(
+            1e9, 1, "fsdp", memory_cost.ADAMW_BF16_MOMENTS), 14e9)
+
+    def test_activations(self):
+        act = memory_cost.moe_activation_bytes
+        # T=10, S=20, D=8, F=4, k=2: input 160, routing 240, rows 320, hidden 320
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none"), 1040)
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "moe"), 720)
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "full"), 160)
+        # FP8 rows (1 B) and their fp32 row scales (20 x 4 B)
+        self.assertEqual(act(10, 20, 8, 4, 2, "fp8_rowwise", "none"), 160 + 240 + 240 + 320)
+
+    def test_counts_and_skew(self):
+        self.assertEqual(expert_counts(4, 8.0), [2.0] * 4)
+        self.assertEqual(expert_counts(4, 8.0, [1, 1, 2, 0]), [2.0, 2.0, 4.0, 0.0])
+        zipf = expert_counts(16, 1600.0, 1.2)
+        self.assertAlmostEqual(sum(zipf), 1600.0)
+        self.assertEqual(zipf, expert_counts(16, 1600.0, 1.2))  # deterministic
+        self.assertGreater(max(zipf), 4 * min(zipf))
+        self.assertEqual(rank_imbalance([1, 1, 2, 0], 2), 1.0)
+        self.assertEqual(rank_imbalance([4, 0, 0, 0], 2), 2.0)
+        layer = MoELayerSpec(64, 32, 4, 2)
+        # explicit counts imply the tokens: 16 assignments over 2 ranks x k=2 = 4 tokens each
+        c = moe_layer_cost(layer, MoEStrategy(ep=2), _toy_profile(), load=[8, 0, 4, 4])
+        self.assertEqual(c.rows, 8.0)
+        self.assertEqual(c.imbalance, 1.0)
+
+    def test_profiles(self):
+        self.assertEqual(get_profile("h100").peak_flops["bf16"], 989.4e12)
+        self.assertEqual(get_profile("H200").memory_bytes, 141e9)
+        self.assertEqual(get_profile("b200").peak_flops["mxfp8"], 4500e12)
+        self.assertEqual(get_profile("MI300X").memory_bandwidth_Bps, 5.3e12)
+        for name in ("h100", "h200", "b200", "mi300x", "cpu"):
+            p = get_profile(name)
+            self.assertTrue(p.sources)
+            self.assertEqual(DeviceProfile.from_json(p.to_json()), p)
+
+    def test_moe_config(self):
+        from torch_moe.nn.modules.moe import MoEConfig
+
+        spec = MoELayerSpec.from_config(MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2,
+                                                  num_shared_experts=1))
+        self.assertEqual(spec.params, 8 * 3 * 64 * 32 + 8 * 64 + 3 * 64 * 32)
+
+
+class TestErrors(TestCase):
+    def test_bad_layers(self):
+        with self.assertRaisesRegex(ValueError, "top_k <= num_experts.*top_k=9 > num_experts=8"):
+            MoELayerSpec(64, 32, 8, 9)
+        with self.assertRaisesRegex(ValueError, "dim to be a positive int"):
+            MoELayerSpec(0, 32, 8, 2)
+        layer = MoELayerSpec(64, 32, 8, 2)
+        with self.assertRaisesRegex(ValueError, "num_experts=8 is not divisible by ep=3"):
+            moe_layer_cost(layer, MoEStrategy(ep=3), H100, 16, 8)
+        with self.assertRaisesRegex(ValueError, "tokens_per_rank to be a finite number >= 0"):
+            moe_layer_cost(layer, MoEStrategy(ep=2), H100, -1, 8)
+        with self.assertRaisesRegex(ValueError, "needs a layer with max_nodes"):
+            moe_layer_cost(layer, MoEStrategy(ep=8, dispatch="node_limited"), H100, 16, 8)
+        with self.assertRaisesRegex(ValueError, "load of 8 experts, but got 3"):
+            moe_layer_cost(layer, MoEStrategy(ep=2), H100, 16, 8, load=[1, 2, 3])
+        with self.assertRaisesRegex(ValueError, "finite and non-negative"):
+            moe_layer_cost(layer, MoEStrategy(ep=2), H100, 16, 8, load=[-1] * 8)
+        with self.assertRaisesRegex(ValueError, "unknown load 'zipf'"):
+            expert_counts(8, 16, "zipf")
+
+    def test_bad_strategies(self):
+        with self.assertRaisesRegex(ValueError, "unknown precision 'fp4'"):
+            MoEStrategy(precision="fp4")
+        with self.assertRaisesRegex(ValueError, "unknown dispatch 'broadcast'"):
+            MoEStrategy(dispatch="broadcast")
+        with self.assertRaisesRegex(ValueError, "unknown recompute"):
+            MoEStrategy(recompute="some")
+        with self.assertRaisesRegex(ValueError, "H100-SXM has no mxfp8 GEMMs"):
+            moe_layer_cost(MoELayerSpec(64, 32, 8, 2), MoEStrategy(precision="mxfp8"), H100,
+                           16, 8)
+        with self.assertRaisesRegex(ValueError, "ep \\* etp = 3 must divide gpus_per_node=8"):
+            comm_cost.ep_nodes(3, 1, 8)
+        with self.assertRaisesRegex(ValueError, "unknown sharding"):
+            Strategy(sharding="zero2")
+
+    def test_bad_profiles(self):
+        with self.assertRaisesRegex(ValueError, "unknown device profile 'h300'"):
+            get_profile("h300")
+        with self.assertRaisesRegex(ValueError, "grow no faster than the rows"):
+            _toy_profile(gemm_efficiency=((16, 0.1), (32, 0.5)))
+        with self.assertRaisesRegex(ValueError, "fractions of gemm_efficiency to lie in"):
+            _toy_profile(gemm_efficiency=((16, 1.5),))
+        with self.assertRaisesRegex(ValueError, "precisions in"):
+            _toy_profile(peak_flops={"int4": 1e12})
+        with self.assertRaisesRegex(ValueError, "unknown fields"):
+            DeviceProfile.from_json('{"name": "x", "warp_size": 32}')
+
+    def test_bad_planner_inputs(self):
+        model = _tiny_model()
+        cluster = ClusterSpec(_toy_profile(), 4, 2)
+        with self.assertRaisesRegex(ValueError, "ep \\* etp = 3 does not divide the 8 ranks"):
+            estimate_step(model, cluster, Strategy(ep=3))
+        with self.assertRaisesRegex(ValueError, "not a multiple of micro_batch_seqs=3"):
+            estimate_step(model, cluster, Strategy(ep=2, micro_batch_seqs=3))
+        with self.assertRaisesRegex(ValueError, "memory_fraction in \\(0, 1\\]"):
+            ClusterSpec(_toy_profile(), 4, 2, memory_fraction=1.5)
+        with self.assertRaisesRegex(ValueError, "not a multiple of seq_len=128"):
+            dataclasses.replace(model, tokens_per_batch=1000)
+        with self.assertRaisesRegex(ValueError, "one precision per MoE layer"):
+            estimate_step(model, cluster, Strategy(ep=2, precision=("bf16", "fp8_rowwise")))
+
+
+def _tiny_model(tokens_per_batch=128 * 8 * 4):
+    moe = MoELayerSpec(64, 128, 8, 2, num_shared_experts=1)
+    return ModelSpec("tiny", moe, 4, AttentionSpec.gqa(64, 4, 2, 16), 512, 128,
+                     tokens_per_batch, num_dense_layers=1, dense_hidden_dim=256)
+
+
+_EXPERTS = st.sampled_from([4, 8, 16, 32, 64])
+
+
+class TestProperties(TestCase):
+    @cost_settings(40)
+    @given(E=_EXPERTS, data=st.data())
+    def test_more_tokens_never_cost_less(self, E, data):
+        k = data.draw(st.integers(1, min(E, 8)))
+        ep = data.draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 32, 64) if E % d == 0]))
+        gpn = data.draw(st.sampled_from([4, 8]))
+        assume(ep <= gpn or ep % gpn == 0)
+        strategy = MoEStrategy(
+            ep=ep, dispatch=data.draw(st.sampled_from(["plain", "dedup"])),
+            precision=data.draw(st.sampled_from(["bf16", "fp8_rowwise"])),
+            num_chunks=data.draw(st.sampled_from([1, 2, 4])),
+            recompute=data.draw(st.sampled_from(["none", "moe", "full"])))
+        layer = MoELayerSpec(data.draw(st.sampled_from([64, 512])),
+                             data.draw(st.sampled_from([32, 256])), E, k,
+                             num_shared_experts=data.draw(st.integers(0, 1)))
+        load = data.draw(st.sampled_from(["uniform", 0.8, 1.5]))
+        profile = data.draw(st.sampled_from([H100, LOCAL_CPU_NOTES, _toy_profile()]))
+        if strategy.precision not in profile.peak_flops:
+            strategy = dataclasses.replace(strategy, precision="bf16")
+        t1 = data.draw(st.integers(0, 5000))
+        t2 = t1 + data.draw(st.integers(0, 5000))
+        a, b = (moe_layer_cost(layer, strategy, profile, t, gpn, load) for t in (t1, t2))
+        tol = 1e-12
+        self.assertGreaterEqual(b.total_s, a.total_s * (1 - tol))
+        self.assertGreaterEqual(b.compute_s, a.compute_s * (1 - tol))
+        self.assertGreaterEqual(b.a2a_s, a.a2a_s * (1 - tol))
+        self.assertGreaterEqual(b.activation_bytes, a.activation_bytes)
+
+    @cost_settings(60)
+    @given(E=_EXPERTS, data=st.data())
+    def test_dedup_and_node_limits_never_send_more(self, E, data):
+        k = data.draw(st.integers(1, E))
+        gpn = data.draw(st.sampled_from([2, 4, 8]))
+        ep = data.draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 32, 64) if E % d == 0]))
+        assume(ep <= gpn and gpn % ep == 0 or ep % gpn == 0)
+        nodes = comm_cost.ep_nodes(ep, 1, gpn)
+        m = data.draw(st.integers(1, 8))
+        assume(k <= min(m, nodes) * E // nodes)  # m nodes must hold k experts
+        plain, dedup, limited = (comm_cost.dispatch_traffic(E, k, ep, 1, gpn, meth, m)
+                                 for meth in ("plain", "dedup", "node_limited"))
+        eps = 1e-12
+        self.assertLessEqual(dedup.copies, plain.copies + eps)
+        self.assertLessEqual(dedup.inter_copies, plain.inter_copies + eps)
+        self.assertLessEqual(limited.copies, dedup.copies + eps)
+        self.assertLessEqual(limited.inter_copies, dedup.inter_copies + eps)
+        layer = MoELayerSpec(64, 32, E, k, max_nodes=m)
+        T = data.draw(st.integers(0, 4096))
+        cost = {d: moe_layer_cost(layer, MoEStrategy(ep=ep, dispatch=d), H100, T, gpn)
+                for d in ("plain", "dedup", "node_limited")}
+        self.assertLessEqual(cost["dedup"].dispatch_bytes, cost["plain"].dispatch_bytes + eps)
+        self.assertLessEqual(cost["node_limited"].dispatch_bytes,
+                             cost["dedup"].dispatch_bytes + eps)
+
+    @cost_settings(4)
+    @given(fraction=st.floats(0.002, 0.05), nodes=st.sampled_from([1, 2]))
+    def test_planner_pick_fits_and_is_fastest(self, fraction, nodes):
+        model = _tiny_model(128 * 4 * nodes * 4)
+        cluster = ClusterSpec(dataclasses.replace(_toy_profile(), memory_bytes=1e9), 4, nodes,
+                              memory_fraction=fraction)
+        strategies = candidate_strategies(model, cluster, chunks=(1, 2), micro_batch_seqs=(2,))
+        result = plan(model, cluster, strategies=strategies)
+        all_costs = [estimate_step(model, cluster, s) for s in strategies]
+        feasible = [c for c in all_costs if c.memory_bytes <= cluster.memory_limit_bytes]
+        self.assertEqual(len(result.ranked), len(feasible))
+        if not feasible:
+            self.assertIsNone(result.best)
+            self.assertIn("no strategy fits", format_plan(result))
+            return
+        best = result.best
+        self.assertLessEqual(best.memory_bytes, cluster.memory_limit_bytes)
+        fastest = min(c.step_s for c in feasible)
+        self.assertLessEqual(best.step_s, fastest * (1 + 1e-6))
+        text = format_plan(result, top=3)
+        self.assertIn(best.strategy.label(), text)
+        self.assertIn("winner:", text)
+
+
+class TestPlannerAndCalibration(TestCase):
+    def test_presets(self):
+        ds = deepseek_v3()
+        self.assertAlmostEqual(ds.params / 1e9, 671, delta=3)  # 671B total (arXiv 2412.19437)
+        self.assertEqual(ds.num_moe_layers, 58)
+        mx = mixtral_8x7b()
+        self.assertAlmostEqual(mx.params / 1e9, 46.7, delta=0.3)  # 46.7B (arXiv 2401.04088)
+
+    def test_deepseek_strategy_estimate(self):
+        # the published layout's MoE part: EP64, node-limited, FP8 (one estimate, no search)
+        cluster = ClusterSpec(get_profile("h100"), 8, 32)
+        cost = estimate_step(deepseek_v3(), cluster,
+                             Strategy(ep=64, dispatch="node_limited", precision="fp8_rowwise",
+                                      num_chunks=2, recompute="full", micro_batch_seqs=2),
+                             memory_cost.ADAMW_BF16_MOMENTS)
+        self.assertGreater(cost.step_s, cost.compute_s)
+        self.assertEqual(cost.micro_batches, 15360 // 256 // 2)
+
+    def test_calibrate_quick_and_json(self):
+        prof = calibrate.calibrate_local(quick=True)
+        self.assertEqual(prof.gemm_tile_rows, 1)
+        self.assertGreater(prof.peak_flops["bf16"], 0)
+        self.assertGreater(prof.memory_bandwidth_Bps, 0)
+        self.assertGreaterEqual(prof.page_fault_s_per_byte, 0)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "cpu.json")
+            calibrate.save_profile(prof, path)
+            self.assertEqual(calibrate.load_profile(path), prof)
+        # the calibrated profile prices a layer
+        cost = moe_layer_cost(MoELayerSpec(128, 64, 8, 2), MoEStrategy(), prof, 256)
+        self.assertTrue(math.isfinite(cost.total_s) and cost.total_s > 0)
+
+    def test_fit_efficiency_curve_is_valid(self):
+        # noisy points where more rows would be faster in total are flattened
+        curve = calibrate.fit_efficiency_curve([(16, 10.0), (32, 40.0), (64, 50.0)], 50.0)
+        self.assertEqual(curve, ((16.0, 0.2), (32.0, 0.4), (64.0, 0.8)))
+        _toy_profile(gemm_efficiency=curve)
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,334 @@
+"""What one accelerator (or the local CPU) can do: the numbers the MoE cost model runs on.
+
+A :class:`DeviceProfile` holds published peaks (FLOP/s per precision, memory bandwidth and
+capacity, link bandwidths) and the *achieved* fractions the peaks never reach: a GEMM
+efficiency curve over the rows of a group, per-call overheads, and the page-fault cost of
+fresh host allocations. The published numbers are cited next to each profile; efficiency
+curves of the GPU profiles are assumptions (stated as such) until a calibration replaces them,
+and the local CPU profile is measured by :mod:`torch_moe.distributed._tools.calibrate`.
+
+Units: seconds (``_s``), bytes (``_bytes``), bytes per second (``_Bps``), FLOP/s (``flops``).
+Peaks are dense (no 2:4 sparsity). Link bandwidths are per GPU and per direction.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+__all__ = [
+    "PRECISIONS",
+    "DeviceProfile",
+    "H100",
+    "H200",
+    "B200",
+    "MI300X",
+    "LOCAL_CPU_NOTES",
+    "get_profile",
+    "known_profiles",
+]
+
+# GEMM precisions of the expert FFN (MoEConfig.precision) plus fp32 for the CPU reference path.
+PRECISIONS = ("bf16", "fp8_rowwise", "mxfp8", "fp32")
+
+_GB = 1e9
+_TB = 1e12
+_TFLOPS = 1e12
+
+
+def _check_curve(name: str, curve) -> tuple[tuple[float, float], ...]:
+    points = tuple((float(x), float(y)) for x, y in curve)
+    if not points:
+        raise ValueError(f"DeviceProfile: expected {name} to have at least one (rows, fraction) "
+                         f"point, but got none")
+    xs = [x for x, _ in points]
+    if any(x <= 0 for x in xs) or xs != sorted(xs) or len(set(xs)) != len(xs):
+        raise ValueError(f"DeviceProfile: expected the rows of {name} to be positive and strictly "
+                         f"increasing, but got {xs}")
+    if any(not 0 < y <= 1 for _, y in points):
+        raise ValueError(f"DeviceProfile: expected the fractions of {name} to lie in (0, 1], but "
+                         f"got {[y for _, y in points]}")
+    _check_time_monotone(name, points)
+    return points
+
+
+def _check_time_monotone(name: str, points) -> None:
+    # The model charges rows / efficiency(rows) per group; if efficiency grew faster than the
+    # rows between two points, more tokens would take less time. Linear interpolation between
+    # points that satisfy this keeps it true everywhere in between.
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if y1 / x1 > y0 / x0 * (1 + 1e-12):
+            raise ValueError(f"DeviceProfile: expected {name} to grow no faster than the rows "
+                             f"(efficiency / rows non-increasing), but ({x0}, {y0}) -> "
+                             f"({x1}, {y1}) would make {x1:g} rows faster than {x0:g}")
+
+
+def _interp(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear in the rows, clamped to the end points (a GEMM never gets faster than
+    the largest measured size, nor slower per row than the smallest)."""
+    xs = [p[0] for p in curve]
+    if x <= xs[0]:
+        return curve[0][1]
+    if x >= xs[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Peak and achieved performance of one device.
+
+    Attributes:
+        name: e.g. ``"H100-SXM"``.
+        peak_flops: dense peak FLOP/s per GEMM precision in :data:`PRECISIONS`; a precision
+            missing here is not supported by the device (asking for it raises).
+        memory_bytes: device memory capacity.
+        memory_bandwidth_Bps: achievable streaming bandwidth, read + write counted once each
+            (the rate of an elementwise kernel such as a quantize pass).
+        intra_node_bandwidth_Bps, intra_node_latency_s: one GPU's NVLink / Infinity Fabric
+            bandwidth per direction, and the fixed cost of one collective call inside a node.
+        inter_node_bandwidth_Bps, inter_node_latency_s: the same for the network (one NIC per
+            GPU), for collectives that cross nodes.
+        gemm_tile_rows: rows a grouped GEMM pads each non-empty group to (the M tile of the
+            kernel: 128 for Hopper / Blackwell / CDNA3 grouped GEMMs, 1 for the CPU loop of
+            ``torch.mm``); a group of 1 row costs a whole tile.
+        gemm_efficiency: ``((rows, fraction of peak), ...)``: achieved fraction of
+            ``peak_flops`` for a GEMM whose token dimension (M of ``[M, K] @ [K, N]``) has
+            ``rows`` rows, N and K being layer sized. Interpolated linearly in the rows (at the
+            tile-padded row count), and required to grow no faster than the rows.
+        wgrad_efficiency: the same for the weight-gradient form, where the token dimension is
+            the contraction (K): these are slower for few rows (see the CPU notes: 61 against
+            139 GFLOP/s for 32-row groups).
+        precision_efficiency: multiplier of the curves per precision (quantized GEMMs reach a
+            lower fraction of their higher peak); 1.0 when absent.
+        gemm_call_s: fixed cost of one GEMM call (one ``torch.mm`` in the CPU loop; one grouped
+            GEMM launch on a GPU).
+        per_group_s: fixed cost per non-empty group inside one grouped call (CPU: Python loop
+            overhead around each ``torch.mm``; GPU: ~0, the scheduler walks the groups).
+        fresh_alloc_threshold_bytes: allocations at or above this size are fresh mappings that
+            page-fault on first touch (glibc's 32 MiB mmap ceiling on the CPU); ``inf`` where a
+            caching allocator reuses blocks (CUDA / ROCm).
+        page_fault_s_per_byte: extra cost per byte of such a fresh allocation.
+        sources: where the published numbers come from.
+    """
+
+    name: str
+    peak_flops: dict
+    memory_bytes: float
+    memory_bandwidth_Bps: float
+    intra_node_bandwidth_Bps: float
+    intra_node_latency_s: float
+    inter_node_bandwidth_Bps: float
+    inter_node_latency_s: float
+    gemm_tile_rows: int = 128
+    gemm_efficiency: tuple = ((1, 0.75),)
+    wgrad_efficiency: tuple = ((1, 0.75),)
+    precision_efficiency: dict = field(default_factory=dict)
+    gemm_call_s: float = 5e-6
+    per_group_s: float = 0.0
+    fresh_alloc_threshold_bytes: float = math.inf
+    page_fault_s_per_byte: float = 0.0
+    sources: tuple = ()
+
+    def __post_init__(self):
+        fn = "DeviceProfile"
+        if not self.peak_flops:
+            raise ValueError(f"{fn}: expected peak_flops for at least one precision, got none")
+        for prec, flops in self.peak_flops.items():
+            if prec not in PRECISIONS:
+                raise ValueError(f"{fn}: expected precisions in {PRECISIONS}, but got {prec!r}")
+            if not flops > 0:
+                raise ValueError(f"{fn}: expected peak_flops[{prec!r}] > 0, but got {flops}")
+        for prec, mult in self.precision_efficiency.items():
+            if prec not in PRECISIONS or not 0 < mult <= 1:
+                raise ValueError(f"{fn}: expected precision_efficiency entries (precision in "
+                                 f"{PRECISIONS}, multiplier in (0, 1]), but got {prec!r}: {mult}")
+        for attr in ("memory_bytes", "memory_bandwidth_Bps", "intra_node_bandwidth_Bps",
+                     "inter_node_bandwidth_Bps", "fresh_alloc_threshold_bytes"):
+            if not getattr(self, attr) > 0:
+                raise ValueError(f"{fn}: expected {attr} > 0, but got {getattr(self, attr)}")
+        for attr in ("intra_node_latency_s", "inter_node_latency_s", "gemm_call_s",
+                     "per_group_s", "page_fault_s_per_byte"):
+            if not getattr(self, attr) >= 0:
+                raise ValueError(f"{fn}: expected {attr} >= 0, but got {getattr(self, attr)}")
+        if isinstance(self.gemm_tile_rows, bool) or not isinstance(self.gemm_tile_rows, int) \
+                or self.gemm_tile_rows < 1:
+            raise ValueError(f"{fn}: expected gemm_tile_rows to be a positive int, but got "
+                             f"{self.gemm_tile_rows!r}")
+        # frozen dataclass: normalise the curves (JSON gives lists) through object.__setattr__
+        object.__setattr__(self, "gemm_efficiency",
+                           _check_curve("gemm_efficiency", self.gemm_efficiency))
+        object.__setattr__(self, "wgrad_efficiency",
+                           _check_curve("wgrad_efficiency", self.wgrad_efficiency))
+        object.__setattr__(self, "sources", tuple(self.sources))
+
+    def check_precision(self, precision: str) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}: expected one of {PRECISIONS}")
+        if precision not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {precision} GEMMs: expected one of "
+                             f"{tuple(self.peak_flops)}")
+
+    def gemm_flops(self, precision: str, rows: float, wgrad: bool = False) -> float:
+        """Achieved FLOP/s of one GEMM whose token dimension has ``rows`` rows."""
+        self.check_precision(precision)
+        curve = self.wgrad_efficiency if wgrad else self.gemm_efficiency
+        mult = self.precision_efficiency.get(precision, 1.0)
+        return self.peak_flops[precision] * mult * _interp(curve, max(rows, 1.0))
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["fresh_alloc_threshold_bytes"] = (None if math.isinf(self.fresh_alloc_threshold_bytes)
+                                            else self.fresh_alloc_threshold_bytes)
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DeviceProfile":
+        d = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"DeviceProfile.from_json: unknown fields {sorted(unknown)}")
+        if d.get("fresh_alloc_threshold_bytes", 0) is None:
+            d["fresh_alloc_threshold_bytes"] = math.inf
+        return cls(**d)
+
+
+# Achieved fraction of peak for grouped GEMMs on data-center GPUs, by rows per group. These are
+# assumptions, not published numbers: large bf16 GEMMs reach about 70-80 % of peak with cuBLAS
+# on H100, and a group of a few dozen rows wastes most of a 128-row tile (which the tile
+# quantisation in gemm_cost already charges) plus some pipeline fill. Replace by a calibration
+# on the target machine when one is available.
+_GPU_GEMM_EFFICIENCY = ((128, 0.45), (256, 0.58), (512, 0.66), (1024, 0.72), (4096, 0.76))
+_GPU_WGRAD_EFFICIENCY = ((128, 0.30), (256, 0.45), (512, 0.58), (1024, 0.68), (4096, 0.74))
+# FP8 GEMMs reach a lower fraction of their doubled peak: torchao reports +10 % (rowwise) to
+# +25 % (tensorwise) end-to-end on Llama3-8B / 8xH100 rather than 2x (pytorch/ao
+# docs/source/workflows/training.md); 0.7 of the bf16 efficiency makes the expert GEMMs 1.4x
+# as fast as bf16 (an assumption, between those end-to-end gains and the 2x of the peaks).
+_GPU_FP8_EFFICIENCY = {"fp8_rowwise": 0.7, "mxfp8": 0.7}
+
+# 400 Gb/s NDR InfiniBand, one ConnectX-7 per GPU (DGX H100 / H200 / B200 reference designs,
+# https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html); ~5 us per
+# collective call across nodes and ~3 us inside a node are the usual NCCL small-message
+# latencies (assumption).
+_NDR_Bps = 50 * _GB
+
+H100 = DeviceProfile(
+    name="H100-SXM",
+    # Dense tensor-core peaks: bf16 989.4, fp8 1978.9 TFLOP/s (the datasheet's 1979 / 3958 are
+    # with 2:4 sparsity). https://www.nvidia.com/en-us/data-center/h100/ and
+    # https://glennklockwood.com/garden/processors/h100 (table of VFMA / matrix / sparse rates).
+    # MXFP8 needs Blackwell: Hopper has no block-scaled tensor-core instructions.
+    peak_flops={"bf16": 989.4 * _TFLOPS, "fp8_rowwise": 1978.9 * _TFLOPS,
+                "fp32": 66.9 * _TFLOPS},
+    memory_bytes=80 * _GB,  # 80 GB HBM3
+    memory_bandwidth_Bps=3.35 * _TB,
+    intra_node_bandwidth_Bps=450 * _GB,  # NVLink 4: 900 GB/s total, 450 GB/s each direction
+    intra_node_latency_s=3e-6,
+    inter_node_bandwidth_Bps=_NDR_Bps,
+    inter_node_latency_s=5e-6,
+    gemm_efficiency=_GPU_GEMM_EFFICIENCY,
+    wgrad_efficiency=_GPU_WGRAD_EFFICIENCY,
+    precision_efficiency=_GPU_FP8_EFFICIENCY,
+    sources=("https://www.nvidia.com/en-us/data-center/h100/",
+             "https://glennklockwood.com/garden/processors/h100"),
+)
+
+H200 = dataclasses.replace(
+    H100,
+    name="H200-SXM",
+    # Same GH100 compute as H100 SXM; 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+    # https://www.nvidia.com/en-us/data-center/h200/
+    memory_bytes=141 * _GB,
+    memory_bandwidth_Bps=4.8 * _TB,
+    sources=("https://www.nvidia.com/en-us/data-center/h200/",),
+)
+
+B200 = DeviceProfile(
+    name="B200",
+    # HGX B200 (1000 W) dense tensor-core peaks: bf16 2250, fp8 4500 TFLOP/s; MXFP8 runs at the
+    # fp8 rate. 180 GB usable of 192 GB HBM3e at 8 TB/s; NVLink 5: 1.8 TB/s total per GPU.
+    # https://www.nvidia.com/en-us/data-center/hgx/ and
+    # https://glennklockwood.com/garden/processors/B200 (HGX B200 table).
+    peak_flops={"bf16": 2250 * _TFLOPS, "fp8_rowwise": 4500 * _TFLOPS,
+                "mxfp8": 4500 * _TFLOPS, "fp32": 80 * _TFLOPS},
+    memory_bytes=180 * _GB,
+    memory_bandwidth_Bps=8 * _TB,
+    intra_node_bandwidth_Bps=900 * _GB,
+    intra_node_latency_s=3e-6,
+    inter_node_bandwidth_Bps=_NDR_Bps,
+    inter_node_latency_s=5e-6,
+    gemm_efficiency=_GPU_GEMM_EFFICIENCY,
+    wgrad_efficiency=_GPU_WGRAD_EFFICIENCY,
+    precision_efficiency=_GPU_FP8_EFFICIENCY,
+    sources=("https://www.nvidia.com/en-us/data-center/hgx/",
+             "https://glennklockwood.com/garden/processors/B200"),
+)
+
+MI300X = DeviceProfile(
+    name="MI300X",
+    # Dense peaks: bf16 1307.4, fp8 2614.9 TFLOP/s; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric
+    # links, 896 GB/s aggregate peer bandwidth (448 GB/s each direction).
+    # https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html
+    # No MX formats on CDNA3 (they arrive with MI350 / CDNA4).
+    peak_flops={"bf16": 1307.4 * _TFLOPS, "fp8_rowwise": 2614.9 * _TFLOPS,
+                "fp32": 163.4 * _TFLOPS},
+    memory_bytes=192 * _GB,
+    memory_bandwidth_Bps=5.3 * _TB,
+    intra_node_bandwidth_Bps=448 * _GB,
+    intra_node_latency_s=5e-6,
+    inter_node_bandwidth_Bps=_NDR_Bps,
+    inter_node_latency_s=5e-6,
+    gemm_efficiency=_GPU_GEMM_EFFICIENCY,
+    wgrad_efficiency=_GPU_WGRAD_EFFICIENCY,
+    precision_efficiency=_GPU_FP8_EFFICIENCY,
+    sources=("https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html",),
+)
+
+_MiB = 2**20
+
+# The development CPU as /work/shared/docs/cpu-performance-notes.md measured it (2 Zen 4 cores,
+# torch 2.13 CPU): a starting point until :func:`calibrate.calibrate_local` measures the machine
+# at hand. bf16 dense GEMM ~400 GFLOP/s, fp32 ~185; a loop of mm over 32-row groups reaches 139
+# GFLOP/s and the weight-gradient form 61; copy_ ~30 GB/s; gloo all_to_all_single ~1 ms per
+# call then ~1 GB/s per rank; fresh allocations above 32 MiB page-fault at ~0.3 ms per MiB.
+LOCAL_CPU_NOTES = DeviceProfile(
+    name="local-cpu-notes",
+    peak_flops={"bf16": 400e9, "fp32": 185e9},
+    memory_bytes=16 * _GB,
+    memory_bandwidth_Bps=30 * _GB,
+    intra_node_bandwidth_Bps=1 * _GB,
+    intra_node_latency_s=1e-3,
+    inter_node_bandwidth_Bps=1 * _GB,
+    inter_node_latency_s=1e-3,
+    gemm_tile_rows=1,
+    gemm_efficiency=((32, 139 / 400), (4096, 1.0)),
+    wgrad_efficiency=((32, 61 / 400), (4096, 1.0)),
+    gemm_call_s=5e-6,
+    per_group_s=2e-6,
+    fresh_alloc_threshold_bytes=32 * _MiB,
+    page_fault_s_per_byte=0.3e-3 / _MiB,
+    sources=("/work/shared/docs/cpu-performance-notes.md",),
+)
+
+_PROFILES = {p.name: p for p in (H100, H200, B200, MI300X, LOCAL_CPU_NOTES)}
+_ALIASES = {"h100": "H100-SXM", "h200": "H200-SXM", "b200": "B200", "mi300x": "MI300X",
+            "cpu": "local-cpu-notes"}
+
+
+def known_profiles() -> tuple[str, ...]:
+    return tuple(_PROFILES)
+
+
+def get_profile(name: str) -> DeviceProfile:
+    """The built-in profile called ``name`` (case-insensitive; ``"h100"`` works)."""
+    key = _ALIASES.get(name.lower(), name) if isinstance(name, str) else name
+    if key not in _PROFILES:
+        raise ValueError(f"unknown device profile {name!r}: expected one of "
+                         f"{tuple(_PROFILES) + tuple(_ALIASES)}")
+    return _PROFILES[key]
