@@ -8,5 +8,11 @@
 * ``_dispatch_plan``: where routed tokens go under expert parallelism and how many copies each
   sends (plain, deduplicated, rank-limited routing), with the analytical traffic model.
 
-The ParallelStyles for experts and the all-to-all dispatcher come next.
+* ``dispatch``: the all-to-all expert-parallel FFN (plain, deduplicated, chunked with overlap,
+  capacity mode without host synchronisation) with per-rank traffic and load counters.
+* ``parallel``: ``ExpertParallel``, ``ExpertTensorParallel`` and ``TensorParallelExperts``
+  ParallelStyles for ``parallelize_module``.
+* ``checkpoint``: ``torch.distributed.checkpoint`` save / load of expert weights across EP
+  degrees and placements with replicas (stored as logical experts).
+* ``_tools``: the cost model, device profiles and planner.
 """
