@@ -17,8 +17,19 @@ The log shows the loss, the throughput and how evenly the experts are loaded; th
 compares the two runs. The demo ends with the layer benchmark on one shape
 (``benchmarks/moe_layer.py --quick``).
 
+With ``--expert-parallel``, under ``torchrun``, the model (bias on) is trained once with its
+routed experts sharded over the ranks (EP = world size, gloo on CPU) by
+:class:`torch_moe.distributed.parallel.ExpertParallel`. Every rank feeds its own batches; the
+rest of the model is replicated and its gradients are averaged over the ranks. Rank 0 logs
+the loss, the throughput of all ranks together, the dispatch traffic of rank 0 per step
+(``torch_moe.distributed.dispatch.read_dispatch_counters()``) and the rows each rank's
+experts received per step. ``--dedup`` and ``--num-chunks`` are passed to the dispatcher; the
+layer benchmark is skipped.
+
     python benchmarks/demo.py
     python benchmarks/demo.py --steps 100 --no-benchmark    # a shorter run
+    torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --steps 20
+    torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --dedup --num-chunks 2
 """
 
 from __future__ import annotations
@@ -211,6 +222,151 @@ def train(args, balance: bool, train_NL: Tensor, label: str | None = None) -> di
 
 
 # --------------------------------------------------------------------------
+# Expert-parallel training (torchrun, gloo)
+# --------------------------------------------------------------------------
+
+
+def train_expert_parallel(args, P_VV: Tensor) -> dict:
+    """Trains the model (expert-bias update on) with EP = world size; returns rank 0's history
+    (every rank returns the same global losses)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_moe.distributed.dispatch import read_dispatch_counters, reset_dispatch_counters
+    from torch_moe.distributed.parallel import ExpertParallel
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0
+    moe_config = MoEConfig(dim=args.dim, hidden_dim=args.ffn_dim, num_experts=args.experts,
+                           top_k=args.top_k, activation="swiglu", load_balance_bias=True,
+                           bias_update_rate=args.bias_update_rate, precision=args.precision)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = MoELanguageModel(args.vocab, args.dim, args.heads, args.layers, args.seq_len,
+                             moe_config)
+    layers = model.moe_layers()
+    ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    style = ExpertParallel(dispatch_options=dict(dedup=args.dedup, num_chunks=args.num_chunks))
+    for moe in layers:
+        parallelize_module(moe, ep_mesh, style)  # w1/w2/w3 become Shard(0) DTensors
+    # everything else (attention, norms, embedding, router) is replicated
+    replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+
+    # each rank its own sequences: a different sampling seed per rank, the same Markov chain
+    train_NL = sample_sequences(P_VV, args.steps * args.batch, args.seq_len,
+                                args.seed + 1 + 1000 * rank)
+    tokens_per_step = world_size * args.batch * (args.seq_len - 1)  # all ranks together
+    history = dict(label=f"EP={world_size}", losses=[], imbalances=[], tokens_per_s=[])
+    window = Window()
+    traffic = torch.zeros(3, dtype=torch.float64)  # window sums: bytes sent, received, rows in
+    for step in range(1, args.steps + 1):
+        batch_BL = train_NL[(step - 1) * args.batch: step * args.batch]
+        reset_dispatch_counters()
+        start = time.perf_counter()
+        logits_BLV = model(batch_BL[:, :-1])
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1), batch_BL[:, 1:].flatten())
+        # The objective is the mean of the per-rank losses. Scaling this rank's loss by
+        # 1 / world_size before backward makes every gradient the gradient of that mean: the
+        # expert weights (Shard(0) DTensors) already get the contributions of every rank's
+        # tokens through the all-to-all, so they are used as they are (averaging them again
+        # would divide by world_size twice); the replicated parameters get only this rank's
+        # share, so their gradients are all-reduced with a SUM (which is then the average).
+        (loss / world_size).backward()
+        grads = [p.grad for p in replicated if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # sum over the ranks, one collective for all of them
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+        # the routers are replicated and so is their bias: update it from the global counts
+        load_NE = _collect_load(layers)
+        dist.all_reduce(load_NE)
+        for moe, load_E in zip(layers, load_NE):
+            moe.tokens_per_expert.copy_(load_E.long())
+            moe.update_expert_bias()  # before optimizer.step(); resets tokens_per_expert
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        counters = read_dispatch_counters()  # this rank's, all MoE layers of the step
+        traffic += torch.tensor([counters["bytes_sent"], counters["bytes_received"],
+                                 counters["rows_received"]], dtype=torch.float64)
+        window.add(loss.item(), seconds, load_NE)
+
+        if step % args.log_every == 0 or step == args.steps:
+            n = len(window.losses)
+            stats = torch.tensor([sum(window.losses), window.seconds], dtype=torch.float64)
+            dist.all_reduce(stats)
+            losses = torch.tensor(window.losses, dtype=torch.float64)
+            dist.all_reduce(losses)  # per step: the sum of the rank losses
+            history["losses"].extend((losses / world_size).tolist())
+            per_rank = [None] * world_size
+            dist.all_gather_object(per_rank, (traffic / n).tolist())
+            imbalance = window.imbalance()
+            history["imbalances"].append(imbalance)
+            # the slowest rank sets the pace; the mean of the ranks' times is close to it
+            history["tokens_per_s"].append(n * tokens_per_step / (stats[1].item() / world_size))
+            if lead:
+                sent, received, _ = per_rank[0]
+                print(f"  [EP={world_size}] step {step:4d}  loss "
+                      f"{stats[0].item() / (n * world_size):6.3f}  "
+                      f"{history['tokens_per_s'][-1]:8,.0f} tok/s  rank-0 bytes/step sent "
+                      f"{sent:,.0f} received {received:,.0f}  rows received/step per rank "
+                      + " ".join(f"{r[2]:,.0f}" for r in per_rank)
+                      + f"  imbalance {imbalance:5.2f}", flush=True)
+            window = Window()
+            traffic.zero_()
+    return history
+
+
+def main_expert_parallel(args) -> int:
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    dist.init_process_group("gloo")
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if args.experts % world_size != 0:
+            raise SystemExit(f"demo.py --expert-parallel: --experts ({args.experts}) must be "
+                             f"divisible by the number of ranks ({world_size})")
+        if args.precision != "bf16":
+            raise SystemExit("demo.py --expert-parallel: expert parallelism supports "
+                             f"--precision bf16 only, got {args.precision}")
+        P_VV = make_markov_chain(args.vocab, args.successors, args.seed)
+        floor = entropy_rate(P_VV)
+        if rank == 0:
+            print(f"torch {torch.__version__}, {world_size} ranks (gloo), "
+                  f"{torch.get_num_threads()} threads each")
+            print(f"model: {args.layers} pre-norm blocks, D={args.dim}, {args.heads} heads, MoE "
+                  f"with E={args.experts} ({args.experts // world_size} per rank), k={args.top_k}, "
+                  f"F={args.ffn_dim}, swiglu; AdamW lr {args.lr:g}; {args.steps} steps of "
+                  f"{world_size} ranks x {args.batch} x {args.seq_len - 1} tokens; expert bias "
+                  f"rate {args.bias_update_rate:g}; dispatch dedup={args.dedup}, "
+                  f"num_chunks={args.num_chunks}")
+            print(f"loss floor (entropy rate) {floor:.3f} nats, uniform guess "
+                  f"{math.log(args.vocab):.3f}; loss = mean over the ranks; bytes = rank 0's "
+                  "dispatch traffic over all MoE layers; imbalance = max/mean of the global "
+                  "per-expert counts\n")
+            print(f"-- training with expert parallelism, EP={world_size}")
+        h = train_expert_parallel(args, P_VV)
+        loss_fell = _mean(h["losses"][-10:]) < h["losses"][0]
+        if rank == 0:
+            print("\n== summary")
+            print(f"  [{h['label']}] loss {h['losses'][0]:.3f} -> {_mean(h['losses'][-10:]):.3f} "
+                  f"(mean of the last 10 steps; entropy rate {floor:.3f}), "
+                  f"{_mean(h['tokens_per_s']):,.0f} tok/s, mean imbalance "
+                  f"{_mean(h['imbalances']):.2f}")
+            print(f"  loss fell: {'yes' if loss_fell else 'NO'}")
+            print(f"\ndemo done in {time.perf_counter() - start:.0f} s")
+        return 0 if loss_fell else 1
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------
 
@@ -240,6 +396,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="expert GEMMs: unquantized ('bf16': the parameters' dtype, fp32 here), "
                     "or quantized on the fly (see benchmarks/quantization.py)")
     ap.add_argument("--no-benchmark", action="store_true", help="skip the layer benchmark")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="train once with the experts sharded over the ranks (EP = world size, "
+                    "gloo); run under torchrun; no layer benchmark")
+    ap.add_argument("--dedup", action="store_true",
+                    help="expert parallel: one dispatched row per (token, destination rank)")
+    ap.add_argument("--num-chunks", type=int, default=1,
+                    help="expert parallel: chunks whose exchanges overlap the expert compute")
     return ap.parse_args(argv)
 
 
@@ -272,6 +435,8 @@ def _mean(values: list[float]) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.expert_parallel:
+        return main_expert_parallel(args)
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     P_VV = make_markov_chain(args.vocab, args.successors, args.seed)
