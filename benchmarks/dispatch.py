@@ -18,6 +18,14 @@ rank-limited copies over the bound. A final row gives bytes per token for E=256,
 D=7168 in bf16.
 
     python benchmarks/dispatch.py              # T = 4096 tokens, seed 0, a few seconds
+    python benchmarks/dispatch.py --gloo-overlap   # wall time on 2 gloo processes, ~1 minute
+
+``--gloo-overlap`` times ``expert_parallel_moe_ffn`` forward + backward on 2 real gloo processes
+(one compute thread each) with 1, 2 and 4 chunks, plain and deduplicated, interleaved
+round-robin with a barrier before every call; the table gives each rank-0 median and its ratio
+to one chunk. On 2 CPU cores gloo's transfer threads share the cores with the expert GEMMs, so
+this measures the scheduling cost of chunking more than the overlap a GPU (separate copy
+engines) would get.
 """
 
 from __future__ import annotations
@@ -79,14 +87,88 @@ def measure(num_tokens: int, num_experts: int, k: int, num_ranks: int, seed: int
     return row
 
 
+OVERLAP_VARIANTS = [(c, d) for d in (False, True) for c in (1, 2, 4)]
+
+
+def _overlap_rank(rank: int, port: int, reps: int, out_path: str) -> None:
+    import os
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    E, k, T, D, F = 8, 2, 2048, 512, 512
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, D, generator=g).requires_grad_()
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    w = torch.rand(T, k, generator=g).requires_grad_()
+    w1, w3 = (torch.randn(E // 2, D, F, generator=g).div_(D**0.5).requires_grad_()
+              for _ in range(2))
+    w2 = torch.randn(E // 2, F, D, generator=g).div_(F**0.5).requires_grad_()
+    times = {v: [] for v in OVERLAP_VARIANTS}
+    for rep in range(reps + 2):
+        for chunks, dedup in OVERLAP_VARIANTS:
+            dist.barrier()
+            start = time.perf_counter()
+            y = expert_parallel_moe_ffn(x, ids, w, w1, w2, w3, num_experts=E, dedup=dedup,
+                                        num_chunks=chunks)
+            y.sum().backward()
+            elapsed = time.perf_counter() - start
+            if rep >= 2:  # warm-up
+                times[(chunks, dedup)].append(elapsed)
+            for t in (x, w, w1, w2, w3):
+                t.grad = None
+    if rank == 0:
+        base = {d: statistics.median(times[(1, d)]) for d in (False, True)}
+        rows = [{"kind": "gloo_overlap", "T": T, "D": D, "F": F, "E": E, "k": k, "EP": 2,
+                 "chunks": c, "dedup": d, "median_ms": f"{statistics.median(times[(c, d)]) * 1e3:.1f}",
+                 "vs_1_chunk": f"{base[d] / statistics.median(times[(c, d)]):.2f}x"}
+                for c, d in OVERLAP_VARIANTS]
+        import json
+
+        Path(out_path).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def overlap_main(reps: int, csv_path: str) -> None:
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print("\n".join(environment_header()))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.spawn(_overlap_rank, args=(port, reps, out), nprocs=2)
+        rows = json.loads(Path(out).read_text())
+    print("expert_parallel_moe_ffn forward + backward, 2 gloo processes, fp32, rank 0 medians:")
+    print(format_table(rows, list(rows[0])))
+    write_csv(csv_path, rows)
+    print(f"\nwrote {csv_path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gloo-overlap", action="store_true")
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--csv", default=str(Path(__file__).resolve().parent / "results" / "dispatch.csv")
     )
     args = parser.parse_args()
+    if args.gloo_overlap:
+        overlap_main(args.reps, str(Path(args.csv).with_name("dispatch_overlap.csv")))
+        return
     # Counting only; one thread keeps it off the cores of anything timed alongside.
     torch.set_num_threads(1)
 
