@@ -16,10 +16,14 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+
 from torch_moe.distributed.placement import (
     Placement,
     plan_placement,
     rebalance_,
+    rebalance_distributed_,
     route_to_replicas,
     zipf_load,
 )
@@ -174,6 +178,46 @@ class TestPlacement(TestCase):
 
 
 instantiate_parametrized_tests(TestPlacement)
+
+
+class TestRebalanceDistributed(MultiThreadedTestCase):
+    """Each of 4 threaded ranks holds its slots; the result equals :func:`rebalance_` on the
+    whole tensors, sliced, bit for bit."""
+
+    @property
+    def world_size(self):
+        return 4
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_threads()
+
+    def test_matches_single_process_rebalance(self):
+        rank = dist.get_rank()
+        load = zipf_load(16, 1.2, 10_000, seed=0)
+        plain = Placement.from_phys_to_logical(torch.arange(16), 4, 16)
+        replicated = plan_placement(load, 4, 6)  # 24 slots: 8 replicas of hot experts
+        packed = plan_placement(torch.flip(load, (0,)), 4, 5)
+        g = torch.Generator().manual_seed(0)
+        full = {"w1": torch.randn(16, 3, 2, generator=g), "exp_avg": torch.randn(16, 5, generator=g)}
+        for old, new in ((plain, replicated), (replicated, packed), (packed, plain)):
+            S = old.slots_per_rank
+            mine = {name: t[rank * S:(rank + 1) * S].clone() for name, t in full.items()}
+            mine["step"] = torch.tensor(7.0)
+            rebalance_distributed_(mine, old, new)
+            expected = rebalance_(dict(full), old, new)
+            S = new.slots_per_rank
+            for name, t in expected.items():
+                self.assertTrue(torch.equal(mine[name], t[rank * S:(rank + 1) * S]), msg=name)
+            self.assertEqual(mine["step"], torch.tensor(7.0))
+            full = expected
+
+    def test_bad_input(self):
+        p = plan_placement(torch.ones(8), 4, 2)
+        with self.assertRaisesRegex(ValueError, "expected placements over the 4 ranks"):
+            rebalance_distributed_({}, p, plan_placement(torch.ones(8), 2, 4))
+        with self.assertRaisesRegex(ValueError, r"expected dim 0 of 'w' to be the 2 slots"):
+            rebalance_distributed_({"w": torch.zeros(3, 1)}, p, p)
 
 
 if __name__ == "__main__":

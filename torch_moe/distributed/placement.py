@@ -10,7 +10,9 @@ expert's tokens can be served by several ranks. Three steps make up a placement 
   which rank each physical slot lives on, chosen to minimise the most loaded rank.
 * :func:`route_to_replicas` maps the router's logical expert ids to physical slots, spreading an
   expert's tokens evenly over its replicas, on device and without host synchronisation.
-* :func:`rebalance_` lays the weights and optimizer state out under the new placement.
+* :func:`rebalance_` lays the weights and optimizer state out under the new placement (one
+  process holding every row), and :func:`rebalance_distributed_` does it on the ranks of the
+  expert-parallel group, each holding its ``S`` rows, with one all-to-all per tensor.
 
 Physical slot ``p`` lives on rank ``p // S``: dim 0 of the physical weights ``[R * S, ...]`` is
 sharded contiguously over the expert-parallel group, the way ``Shard(0)`` splits it.
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Placement", "plan_placement", "route_to_replicas", "rebalance_", "zipf_load"]
+__all__ = ["Placement", "plan_placement", "route_to_replicas", "rebalance_",
+           "rebalance_distributed_", "zipf_load"]
 
 
 def _positive_int(fn: str, name: str, value) -> int:
@@ -307,6 +310,65 @@ def rebalance_(state: dict, old: Placement, new: Placement) -> dict:
     for name, t in list(state.items()):
         if isinstance(t, Tensor) and t.dim() > 0:
             state[name] = t.index_select(0, src.to(t.device))
+    return state
+
+
+def rebalance_distributed_(state: dict, old: Placement, new: Placement, group=None) -> dict:
+    """:func:`rebalance_` on the ranks of the expert-parallel ``group``.
+
+    Every rank holds the rows of its own slots: each tensor of ``state`` with at least one dim is
+    ``[old.slots_per_rank, ...]`` (weights and per-expert optimizer state) and becomes
+    ``[new.slots_per_rank, ...]``. New slot ``p`` takes the row of the first old slot of its
+    logical expert (``old.logical_to_phys[e, 0]``), so replicas come out identical. The send and
+    receive counts follow from the two placements alone (CPU tables every rank has), so there
+    is no count exchange and no host synchronisation with the device: one
+    ``all_to_all_single`` per tensor moves the rows, bit for bit.
+
+    Args:
+        state: name to tensor ``[old.slots_per_rank, ...]``; updated in place.
+        old, new: placements of the same ``E`` logical experts over the ``R`` ranks of ``group``.
+        group: the expert-parallel process group; the default group when None.
+
+    Returns:
+        ``state``, its tensors now ``[new.slots_per_rank, ...]``.
+    """
+    import torch.distributed as dist
+
+    fn = "rebalance_distributed_"
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    if old.num_logical != new.num_logical:
+        raise ValueError(f"{fn}: old and new placements must have the same number of logical "
+                         f"experts, but got {old.num_logical} and {new.num_logical}")
+    if old.num_ranks != R or new.num_ranks != R:
+        raise ValueError(f"{fn}: expected placements over the {R} ranks of the group, but got "
+                         f"{old.num_ranks} (old) and {new.num_ranks} (new)")
+    for name, t in state.items():
+        if isinstance(t, Tensor) and t.dim() > 0 and t.size(0) != old.slots_per_rank:
+            raise ValueError(f"{fn}: expected dim 0 of {name!r} to be the {old.slots_per_rank} "
+                             f"slots of this rank under the old placement, but got shape "
+                             f"{tuple(t.shape)}")
+    S_old, S_new = old.slots_per_rank, new.slots_per_rank
+    src = old.logical_to_phys[:, 0][new.phys_to_logical]  # [P_new] old physical slot
+    src_rank = torch.div(src, S_old, rounding_mode="floor")
+    dst_rank = torch.arange(new.num_physical) // S_new
+    # what this rank sends: rows of its old slots wanted by new slots, ordered by destination
+    # rank and, within one, by new slot (the order the receiver expects per source)
+    mine = (src_rank == rank).nonzero().flatten()  # new slots served by this rank, ascending
+    send_rows = src[mine] - rank * S_old
+    send_splits = torch.bincount(dst_rank[mine], minlength=R).tolist()
+    # what this rank receives: its new slots, grouped by source rank
+    my_slots = torch.arange(rank * S_new, (rank + 1) * S_new)
+    order = torch.sort(src_rank[my_slots], stable=True).indices  # received position -> slot
+    recv_splits = torch.bincount(src_rank[my_slots], minlength=R).tolist()
+    for name, t in list(state.items()):
+        if not (isinstance(t, Tensor) and t.dim() > 0):
+            continue
+        send = t.index_select(0, send_rows.to(t.device)).contiguous()
+        recv = t.new_empty((S_new, *t.shape[1:]))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        out = torch.empty_like(recv)
+        out[order.to(t.device)] = recv
+        state[name] = out
     return state
 
 
