@@ -28,7 +28,6 @@ Run: ``python -m pytest test/distributed/test_parallel_style.py -q`` from the re
 
 import copy
 import inspect
-import threading
 import unittest
 
 import torch
@@ -36,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.common_utils import TestCase, run_tests
 
-from torch_moe.nn import GroupedExperts, MoE, MoEConfig
 
 HAS_DIST = dist.is_available()
 
@@ -60,27 +58,7 @@ if HAS_DIST:
 else:  # keep the module importable so that the class below is reported as skipped
     DTensorOpTestBase = TestCase
 
-# fp32; the parallel layers only reorder fp32 sums (combine, partial sums over F)
-TOL = {"atol": 1e-6, "rtol": 1e-6}
-
-# the ranks are threads sharing torch's global generator: build modules one at a time
-_INIT_LOCK = threading.Lock()
-
-
-def make_moe(**overrides) -> MoE:
-    cfg = dict(dim=8, hidden_dim=12, num_experts=8, top_k=2)
-    cfg.update(overrides)
-    with _INIT_LOCK:
-        torch.manual_seed(0)
-        return MoE(MoEConfig(**cfg))
-
-
-def global_tokens(num_ranks: int, dim: int = 8):
-    """``(x, grad_y)`` per rank, ``[T_r, D]`` with T_r = 5 + r (uneven), same on every rank."""
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(5 + r, dim, generator=g) for r in range(num_ranks)]
-    gs = [torch.randn(5 + r, dim, generator=g) for r in range(num_ranks)]
-    return xs, gs
+from _parallel_style_common import _INIT_LOCK, compare_with_layer, global_tokens, make_moe
 
 
 class _Attention(nn.Module):
@@ -197,39 +175,7 @@ class TestParallelStyle(DTensorOpTestBase):
     # -----------------------------------------------------------------------------------------
 
     def _compare(self, model, ref, tokens_of, token_ids, grad_sum_group):
-        """Runs ``model`` on this rank's tokens ``tokens_of(rank)`` and ``ref`` on the token sets
-        ``token_ids`` (concatenated); compares output, x.grad and every parameter gradient.
-        Expert gradients are whole after ``full_tensor()``; the others are this rank's share,
-        summed over ``grad_sum_group`` (None: already whole)."""
-        xs, gs = global_tokens(self.world_size)
-        me = tokens_of(self.rank)
-        x = xs[me].clone().requires_grad_()
-        y = model(x)
-        y.backward(gs[me])
-
-        ref_x = torch.cat([xs[i] for i in token_ids]).requires_grad_()
-        ref_y = ref(ref_x)
-        ref_y.backward(torch.cat([gs[i] for i in token_ids]))
-        start = sum(xs[i].size(0) for i in token_ids[: token_ids.index(me)])
-        mine = slice(start, start + x.size(0))
-
-        self.assertEqual(y, ref_y[mine], **TOL)
-        self.assertEqual(x.grad, ref_x.grad[mine], **TOL)
-        ref_params = dict(ref.named_parameters())
-        experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts)
-                   for p in m.parameters()}
-        for name, p in model.named_parameters():
-            with self.subTest(param=name):
-                grad = p.grad
-                if isinstance(p, DTensor):
-                    self.assertIsInstance(grad, DTensor)
-                    self.assertEqual(grad.placements, p.placements)
-                    grad = grad.full_tensor()
-                if id(p) not in experts and grad_sum_group is not None:
-                    # data parallel over the group: this rank's share of the gradient
-                    grad = grad.clone()
-                    dist.all_reduce(grad, group=grad_sum_group)
-                self.assertEqual(grad, ref_params[name].grad, **TOL)
+        compare_with_layer(self, model, ref, tokens_of, token_ids, grad_sum_group)
 
     def test_expert_parallel_matches_moe(self):
         for ep, activation, shared in ((4, "swiglu", 1), (2, "gelu", 0), (2, "swiglu_oai", 1)):

@@ -24,20 +24,22 @@ or ``python test/distributed/test_parallel_style_gloo.py``.
 """
 
 import copy
+import functools
 import unittest
 
-import torch
 import torch.distributed as dist
 from torch.testing._internal.common_utils import TestCase, run_tests
 
-from torch_moe.nn import GroupedExperts, MoE, MoEConfig
+from _parallel_style_common import compare_with_layer
+from _parallel_style_common import make_moe as _make_moe
+
 
 HAS_GLOO = dist.is_available() and dist.is_gloo_available()
 
 if HAS_GLOO:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.testing._internal.distributed._tensor.common_dtensor import (
         DTensorTestBase,
@@ -52,23 +54,8 @@ else:  # keep the module importable so that the classes below are reported as sk
         return func
 
 
-# fp32; the parallel layers only reorder fp32 sums (combine, partial sums over F, reductions)
-TOL = {"atol": 1e-6, "rtol": 1e-6}
-
-
-def make_moe(**overrides) -> MoE:
-    cfg = dict(dim=8, hidden_dim=12, num_experts=8, top_k=2, num_shared_experts=1)
-    cfg.update(overrides)
-    torch.manual_seed(0)  # the same layer on every rank
-    return MoE(MoEConfig(**cfg))
-
-
-def global_tokens(num_ranks: int, dim: int = 8):
-    """``(x, grad_y)`` per rank, ``[T_r, D]`` with T_r = 5 + r (uneven), same on every rank."""
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(5 + r, dim, generator=g) for r in range(num_ranks)]
-    gs = [torch.randn(5 + r, dim, generator=g) for r in range(num_ranks)]
-    return xs, gs
+# the layer of these tests has a shared expert (a replicated, data-parallel parameter)
+make_moe = functools.partial(_make_moe, num_shared_experts=1)
 
 
 class _GlooBase(DTensorTestBase):
@@ -81,37 +68,9 @@ class _GlooBase(DTensorTestBase):
         return "cpu"
 
     def check(self, moe, ref, tokens_of, token_ranks, grad_sum_group):
-        """Runs ``moe`` on this rank's tokens ``tokens_of(rank)`` and ``ref`` on the tokens of
-        ``token_ranks`` (concatenated); compares output, x.grad and every parameter gradient.
-        Expert gradients are whole after ``full_tensor()``; the others are this rank's share,
-        summed over ``grad_sum_group``."""
-        xs, gs = global_tokens(self.world_size)
-        me = tokens_of(self.rank)
-        x = xs[me].clone().requires_grad_()
-        y = moe(x)
-        y.backward(gs[me])
-
-        ref_x = torch.cat([xs[r] for r in token_ranks]).requires_grad_()
-        ref_y = ref(ref_x)
-        ref_y.backward(torch.cat([gs[r] for r in token_ranks]))
-        start = sum(xs[r].size(0) for r in token_ranks[: token_ranks.index(me)])
-        mine = slice(start, start + x.size(0))
-
-        self.assertEqual(y, ref_y[mine], **TOL)
-        self.assertEqual(x.grad, ref_x.grad[mine], **TOL)
-        experts = {id(p) for m in moe.modules() if isinstance(m, GroupedExperts)
-                   for p in m.parameters()}
-        ref_params = dict(ref.named_parameters())
-        for name, p in moe.named_parameters():
-            grad = p.grad
-            if id(p) in experts:
-                self.assertIsInstance(grad, DTensor, msg=name)
-                self.assertEqual(grad.placements, p.placements, msg=name)
-                grad = grad.full_tensor()
-            else:
-                grad = grad.clone()
-                dist.all_reduce(grad, group=grad_sum_group)
-            self.assertEqual(grad, ref_params[name].grad, **TOL, msg=name)
+        # the non-expert gradients are this rank's share: sum them over the world by default
+        compare_with_layer(self, moe, ref, tokens_of, token_ranks,
+                           grad_sum_group if grad_sum_group is not None else dist.group.WORLD)
 
 
 @unittest.skipIf(not HAS_GLOO, "torch.distributed with the gloo backend is not available")
