@@ -177,14 +177,28 @@ class TestFormulas(TestCase):
     def test_layer_a2a_hand_computed(self):
         prof = _toy_profile()
         layer = MoELayerSpec(dim=1024, hidden_dim=512, num_experts=16, top_k=2)
-        cost = moe_layer_cost(layer, MoEStrategy(ep=16, dispatch="plain"), prof,
-                              tokens_per_rank=1000, gpus_per_node=8)
-        # per call: 1000 tokens x 2 copies x 2048 B, half over each link; the network is slower
-        per_call = 2e-5 + 1000 * 1 * 2048 / 5e10
-        self.assertAlmostEqual(cost.a2a_s, 4 * per_call)  # dispatch + combine, fwd and bwd
+        cost = moe_layer_cost(layer, MoEStrategy(ep=16, dispatch="plain", dispatcher="fused"),
+                              prof, tokens_per_rank=1000, gpus_per_node=8)
+        # 1000 tokens x 2 copies, half of them over the (slower) network: 1000 rows per call.
+        # Rows: dispatch 2048 B of bf16 + 8 B (id, weight); combine and combine-backward 2048 B;
+        # dispatch-backward 2048 B + 4 B of weight gradient.
+        def call(row_bytes):
+            return 2e-5 + 1000 * row_bytes / 5e10
+
+        expected = call(2056) + call(2048) + call(2048) + call(2052)
+        self.assertAlmostEqual(cost.a2a_s, expected)  # dispatch + combine, fwd and bwd
         self.assertAlmostEqual(cost.exposed_a2a_s, cost.a2a_s)  # one chunk hides nothing
         self.assertEqual(cost.imbalance, 1.0)
         self.assertEqual(cost.rows, 2000.0)
+        self.assertAlmostEqual(cost.dispatch_bytes, 1000 * 2 * 2056)
+        # torch_moe's dispatcher pays 8 latencies instead of 4: counts, rows, ids and weights
+        # out; rows back; two gradients back in backward
+        ours = moe_layer_cost(layer, MoEStrategy(ep=16, dispatch="plain"), prof,
+                              tokens_per_rank=1000, gpus_per_node=8)
+        self.assertAlmostEqual(ours.a2a_s - cost.a2a_s, 4 * 2e-5)
+        # no expert parallelism, no communication
+        alone = moe_layer_cost(layer, MoEStrategy(ep=1), prof, tokens_per_rank=1000)
+        self.assertEqual(alone.a2a_s, 0.0)
 
     def test_chunks_hide_communication(self):
         # flat efficiency and no latency: chunking keeps compute and hides communication
@@ -375,9 +389,14 @@ class TestProperties(TestCase):
         T = data.draw(st.integers(0, 4096))
         cost = {d: moe_layer_cost(layer, MoEStrategy(ep=ep, dispatch=d), H100, T, gpn)
                 for d in ("plain", "dedup", "node_limited")}
-        self.assertLessEqual(cost["dedup"].dispatch_bytes, cost["plain"].dispatch_bytes + eps)
+        self.assertLessEqual(cost["dedup"].dispatch_rows, cost["plain"].dispatch_rows + eps)
         self.assertLessEqual(cost["node_limited"].dispatch_bytes,
                              cost["dedup"].dispatch_bytes + eps)
+        # bytes: a dedup row carries W = min(k, E / ep) (id, weight) pairs of 8 B, a plain row
+        # one, so dedup sends no more bytes than plain rows of that width would
+        W = min(k, E // ep)
+        self.assertLessEqual(cost["dedup"].dispatch_bytes,
+                             cost["plain"].dispatch_bytes * (64 * 2 + 8 * W) / (64 * 2 + 8) + eps)
 
     @cost_settings(4)
     @given(fraction=st.floats(0.002, 0.05), nodes=st.sampled_from([1, 2]))

@@ -143,9 +143,11 @@ def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
     """
     grad = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     if len(bounds) < w.size(0):
-        unused = torch.ones(w.size(0), dtype=torch.bool)
-        unused[[g for g, _, _ in bounds]] = False
-        grad[unused.to(w.device)] = 0
+        used = {g for g, _, _ in bounds}
+        unused = [g for g in range(w.size(0)) if g not in used]
+        # index_fill_ on dim 0 writes the unused experts' rows only; a boolean-mask assignment
+        # would run masked_fill_ over the whole gradient, first-touching every page of it
+        grad.index_fill_(0, torch.tensor(unused, dtype=torch.long, device=w.device), 0)
     return grad
 
 

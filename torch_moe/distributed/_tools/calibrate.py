@@ -31,6 +31,9 @@ from torch_moe.distributed._tools.device_profiles import LOCAL_CPU_NOTES, Device
 __all__ = [
     "measure_gemm_curve",
     "measure_call_overhead_s",
+    "measure_group_overhead_s",
+    "measure_ffn_elementwise_Bps",
+    "measure_layer_overhead_s",
     "measure_copy_bandwidth_Bps",
     "measure_page_fault_s_per_byte",
     "measure_all_to_all",
@@ -58,35 +61,90 @@ def _check_reps(reps) -> None:
         raise ValueError(f"expected reps to be a positive int, but got {reps!r}")
 
 
-def measure_gemm_curve(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.bfloat16,
-                       wgrad: bool = False, reps: int = 5) -> list[tuple[int, float]]:
-    """``[(rows, FLOP/s)]`` of the expert up projection (``wgrad=False``: ``[rows, D] @
-    [D, 2F]``) or of its weight gradient (``wgrad=True``: ``[D, rows] @ [rows, 2F]``)."""
+def measure_gemm_curve(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.float32,
+                       wgrad: bool = False, reps: int = 5,
+                       experts_bytes: int = 64 * _MiB) -> list[tuple[int, float]]:
+    """``[(rows, FLOP/s)]`` of the per-expert GEMMs of ``grouped_ffn`` on this CPU, with a
+    ``rows``-row group: ``wgrad=False`` times the token-major forms ``[rows, D] @ [D, F]`` and
+    ``[rows, F] @ [F, D]`` (gate / up and down projections, and their input gradients);
+    ``wgrad=True`` the weight-gradient forms ``[D, rows] @ [rows, F]`` and ``[F, rows] @
+    [rows, D]``, where the tokens are the contraction. Each point is the two shapes' FLOPs over
+    their summed time, as the kernel runs both in equal numbers.
+
+    Consecutive GEMMs read a different expert's weight (forward forms) or write a different
+    expert's gradient (weight-gradient forms), cycling over ``experts_bytes`` of them: in the
+    kernel every group touches its own expert, so a small group pays for bringing a whole
+    ``D x F`` matrix from memory, which a benchmark reusing one cached matrix would hide."""
     _check_reps(reps)
     if dim < 1 or hidden_dim < 1 or not rows or any(r < 1 for r in rows):
         raise ValueError(f"expected positive rows, dim and hidden_dim, but got rows={rows}, "
                          f"dim={dim}, hidden_dim={hidden_dim}")
-    n = 2 * hidden_dim
-    out = []
+    experts = max(1, experts_bytes // (dim * hidden_dim * torch.finfo(dtype).bits // 8))
+    shapes = ((dim, hidden_dim), (hidden_dim, dim))
+    # the experts' weights (forward forms) or gradients (weight-gradient forms), shared by
+    # every row count
+    mats = [torch.randn(experts, k_, n_, dtype=dtype) for k_, n_ in shapes]
+    runners = []
     for r in rows:
-        if wgrad:
-            a = torch.randn(r, dim, dtype=dtype).t()
-            b = torch.randn(r, n, dtype=dtype)
-            c = torch.empty(dim, n, dtype=dtype)
-        else:
-            a = torch.randn(r, dim, dtype=dtype)
-            b = torch.randn(dim, n, dtype=dtype)
-            c = torch.empty(r, n, dtype=dtype)
-        # ~1 ms of work per timing at ~100 GFLOP/s, so the timer resolution does not matter
-        calls = min(1000, max(1, int(1e8 / (2 * r * dim * n))))
+        operands = []
+        for (k_, n_), m in zip(shapes, mats):
+            if wgrad:
+                # [K, rows] @ [rows, N]: the transposed view of a token-major [rows, K], as
+                # grouped_ffn_backward passes it, into one expert's gradient
+                a, b = torch.randn(r, k_, dtype=dtype).t(), torch.randn(r, n_, dtype=dtype)
+                operands.append([(a, b, c) for c in m])
+            else:
+                a, c = torch.randn(r, k_, dtype=dtype), torch.empty(r, n_, dtype=dtype)
+                operands.append([(a, b, c) for b in m])
+        # ~20 ms of work per timing at ~100 GFLOP/s
+        calls = max(1, min(10000, int(2e9 / (4.0 * r * dim * hidden_dim))))
+        runners.append((r, calls, operands))
 
-        def run():
-            for _ in range(calls):
+    def run(calls, operands, start):
+        # every call meets an expert that has not been touched for a whole cycle
+        for i in range(start, start + calls):
+            for ops_ in operands:
+                a, b, c = ops_[i % experts]
                 torch.mm(a, b, out=c)
 
-        t = _median_s(run, reps) / calls
-        out.append((int(r), 2.0 * r * dim * n / t))
-    return out
+    # Passes over all row counts rather than all repetitions of one count: a slow phase of a
+    # shared machine then spreads over the curve instead of bending one point.
+    times = {r: [] for r in rows}
+    for p in range(reps + 1):
+        for r, calls, operands in runners:
+            t0 = time.perf_counter()
+            run(calls, operands, p * calls)
+            if p:  # the first pass is the warm-up
+                times[r].append((time.perf_counter() - t0) / calls)
+    return [(int(r), 4.0 * r * dim * hidden_dim / statistics.median(times[r])) for r in rows]
+
+
+def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
+    """Seconds of host work per non-empty group and grouped GEMM call inside ``grouped_ffn``
+    forward + backward (slicing, weight views, the ``torch.mm`` call itself), measured on
+    ``groups`` one-row groups of an 8-wide expert, where the arithmetic is negligible, against
+    a single group. The cost model charges it on each of its 6 grouped GEMMs per layer."""
+    _check_reps(reps)
+    import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
+
+    def timed(num_groups):
+        d = 8
+        x = torch.randn(num_groups, d)
+        w1, w2, w3 = (torch.randn(num_groups, d, d) for _ in range(3))
+        sorted_ids = torch.arange(num_groups)
+        offs = torch.arange(1, num_groups + 1, dtype=torch.int32)
+        weights = torch.ones(num_groups, 1)
+        ops = torch.ops.torch_moe
+
+        def run():
+            y, hidden = ops.grouped_ffn(x, sorted_ids, offs, weights, w1, w2, w3, "swiglu",
+                                        1.702, 7.0)
+            ops.grouped_ffn_backward(y, x, sorted_ids, offs, weights, w1, w2, w3, hidden,
+                                     "swiglu", 1.702, 7.0)
+
+        return _median_s(run, reps)
+
+    return max(0.0, timed(groups) - timed(1)) / (groups - 1) / 6
 
 
 def measure_call_overhead_s(reps: int = 5, calls: int = 2000) -> float:
@@ -100,6 +158,66 @@ def measure_call_overhead_s(reps: int = 5, calls: int = 2000) -> float:
             torch.mm(a, b, out=c)
 
     return _median_s(run, reps) / calls
+
+
+def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
+                                dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
+    """Rate of the elementwise kernels ``grouped_ffn`` runs around its GEMMs on one block of
+    ``rows`` rows (SwiGLU), forward and backward, in the bytes
+    :func:`~torch_moe.distributed._tools.gemm_cost.ffn_elementwise_bytes` counts for them:
+    the same ATen calls on buffers of the same shapes, without the GEMMs."""
+    from torch_moe._native.activation import activation_backward, activation_forward
+    from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
+
+    _check_reps(reps)
+    D, F, n = dim, hidden_dim, rows
+    g = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(n, D, generator=g, dtype=dtype), torch.randn(n, D, generator=g,
+                                                                       dtype=dtype)
+    idx = torch.randperm(n, generator=g)
+    w = torch.rand(n, 1, generator=g, dtype=dtype)
+    h = torch.randn(n, 2 * F, generator=g, dtype=dtype)
+    X, G, o, dX = (torch.empty(n, D, dtype=dtype) for _ in range(4))
+    act, dA = torch.empty(n, F, dtype=dtype), torch.randn(n, F, generator=g, dtype=dtype)
+    dH = torch.empty(n, 2 * F, dtype=dtype)
+    acc = torch.zeros(n, D)
+
+    def run():
+        # forward
+        torch.index_select(x, 0, idx, out=X)
+        activation_forward("swiglu", h, act, 1.702, 7.0)
+        o.copy_(X).mul_(w)  # stands in for the down projection's output, then its scaling
+        acc.index_add_(0, idx, o)
+        # backward
+        torch.index_select(grad, 0, idx, out=G)
+        activation_forward("swiglu", h, act, 1.702, 7.0)
+        torch.sum(dA * act, dim=1)
+        act.mul_(w)
+        activation_backward("swiglu", dA.mul_(w), h, dH, 1.702, 7.0)
+        torch.index_select(x, 0, idx, out=dX)
+        acc.index_add_(0, idx, dX)
+
+    # the stand-in copy_ of the forward is D extra bytes read per row; count it
+    fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, torch.finfo(dtype).bits // 8)
+    return (fwd + bwd + n * D * (torch.finfo(dtype).bits // 8)) / _median_s(run, reps)
+
+
+def measure_layer_overhead_s(reps: int = 5) -> float:
+    """Seconds of one forward + backward of a minimal :class:`torch_moe.nn.MoE` (2 tokens,
+    ``D = F = 8``, 2 experts, top-1): the fixed host cost of a layer call (router, token sort,
+    op dispatch, autograd), where the arithmetic is negligible. Includes one non-empty group's
+    share of the per-group cost, which is small."""
+    from torch_moe.nn.modules.moe import MoE, MoEConfig
+
+    _check_reps(reps)
+    layer = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=1))
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        layer(x).sum().backward()
+
+    return min(_median_s(run, reps) for _ in range(3))
 
 
 def measure_copy_bandwidth_Bps(nbytes: int = 64 * _MiB, reps: int = 5) -> float:
@@ -170,19 +288,30 @@ def fit_efficiency_curve(points, peak: float) -> tuple[tuple[float, float], ...]
 def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False, group=None,
                     name: str = "local-cpu") -> DeviceProfile:
     """Measure this machine. ``dim`` and ``hidden_dim`` set the GEMM shapes (use the layer's
-    own); ``group`` adds the all-to-all fit (collective: all ranks call together)."""
+    own); ``group`` adds the all-to-all fit (collective: all ranks call together).
+
+    The GEMM curves are measured in the dtype torch_moe's CPU kernels compute in: bf16 where the
+    CPU has bf16 GEMM instructions, else fp32 (bf16 operands are converted,
+    ``torch_moe/_native/_cpu_features.py``), in which case the bf16 and fp32 peaks are the same
+    measured fp32 rate."""
+    from torch_moe._native._cpu_features import gemm_compute_dtype
+
     if quick:
         rows, reps = (4, 32, 256), 1
         dim, hidden_dim = min(dim, 128), min(hidden_dim, 64)
-        copy_bytes, fault_bytes = 4 * _MiB, 40 * _MiB
+        copy_bytes, fault_bytes, groups, ew_rows = 4 * _MiB, 40 * _MiB, 16, 64
     else:
         rows, reps = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), 5
-        copy_bytes, fault_bytes = 64 * _MiB, 64 * _MiB
-    fwd = measure_gemm_curve(rows, dim, hidden_dim, torch.bfloat16, False, reps)
-    wgr = measure_gemm_curve(rows, dim, hidden_dim, torch.bfloat16, True, reps)
+        copy_bytes, fault_bytes, groups, ew_rows = 64 * _MiB, 64 * _MiB, 256, 4096
+    bf16_dtype = gemm_compute_dtype(torch.bfloat16)
+    fwd = measure_gemm_curve(rows, dim, hidden_dim, bf16_dtype, False, reps)
+    wgr = measure_gemm_curve(rows, dim, hidden_dim, bf16_dtype, True, reps)
     peak_bf16 = max(f for _, f in fwd + wgr)
-    big = rows[-1]
-    (_, peak_fp32), = measure_gemm_curve((big,), dim, hidden_dim, torch.float32, False, reps)
+    if bf16_dtype == torch.float32:
+        peak_fp32 = peak_bf16
+    else:
+        (_, peak_fp32), = measure_gemm_curve((rows[-1],), dim, hidden_dim, torch.float32, False,
+                                             reps)
     if group is not None:
         alpha, bw = measure_all_to_all(group, reps=reps)
     else:
@@ -204,11 +333,15 @@ def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False,
         gemm_efficiency=fit_efficiency_curve(fwd, peak_bf16),
         wgrad_efficiency=fit_efficiency_curve(wgr, peak_bf16),
         gemm_call_s=0.0,
-        per_group_s=measure_call_overhead_s(reps, 200 if quick else 2000),
+        per_group_s=measure_group_overhead_s(reps, groups),
+        elementwise_bandwidth_Bps=measure_ffn_elementwise_Bps(dim, hidden_dim, ew_rows,
+                                                              bf16_dtype, reps),
+        layer_overhead_s=measure_layer_overhead_s(reps),
         fresh_alloc_threshold_bytes=32 * _MiB,
         page_fault_s_per_byte=measure_page_fault_s_per_byte(fault_bytes, reps),
         sources=(f"calibrate_local(dim={dim}, hidden_dim={hidden_dim}, quick={quick}) on "
-                 f"{torch.get_num_threads()} threads, torch {torch.__version__}",),
+                 f"{torch.get_num_threads()} threads, torch {torch.__version__}, GEMMs in "
+                 f"{str(bf16_dtype).replace('torch.', '')}",),
     )
 
 

@@ -34,6 +34,7 @@ from torch_moe.distributed._tools.device_profiles import PRECISIONS, DeviceProfi
 from torch_moe.distributed.placement import zipf_load
 
 __all__ = [
+    "DISPATCHERS",
     "MoELayerSpec",
     "MoEStrategy",
     "MoELayerCost",
@@ -129,6 +130,9 @@ class MoEStrategy:
         recompute: ``"none"``, ``"moe"`` (recompute the up projection) or ``"full"``.
         fp8_dispatch: with an FP8 precision, send the dispatch payload quantized (DeepSeek-V3
             does; the combine and all gradients stay bf16).
+        dispatcher: ``"torch_moe"`` (``expert_parallel_moe_ffn``: separate exchanges of counts,
+            rows, ids and weights) or ``"fused"`` (one call per stage, DeepEP-style); sets the
+            number of all-to-all latencies paid.
     """
 
     ep: int = 1
@@ -138,9 +142,13 @@ class MoEStrategy:
     num_chunks: int = 1
     recompute: str = "none"
     fp8_dispatch: bool = True
+    dispatcher: str = "torch_moe"
 
     def __post_init__(self):
         owner = "MoEStrategy"
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"{owner}: unknown dispatcher {self.dispatcher!r}: expected one of "
+                             f"{DISPATCHERS}")
         for name in ("ep", "etp", "num_chunks"):
             _pos_int(owner, name, getattr(self, name))
         if self.dispatch not in comm_cost.DISPATCH_METHODS:
@@ -160,9 +168,12 @@ class MoELayerCost:
     unless named ``_bytes``.
 
     ``compute_s`` is everything on the compute stream (expert GEMMs, shared experts, router,
-    quantize kernels, memory-bound elementwise kernels, page faults); ``a2a_s`` all token
+    quantize kernels, memory-bound elementwise kernels, page faults, fixed host work); ``a2a_s`` all token
     communication; ``total_s`` the pipelined time, so ``exposed_a2a_s = total_s - compute_s``
-    is the communication compute did not hide.
+    is the communication compute did not hide. ``dispatch_rows`` / ``dispatch_bytes``: rows
+    one rank dispatches per micro-batch (its own copies included, as ``_dispatch_plan``
+    counts them) and their bytes; a dedup row carries ``min(k, E / ep)`` (id, weight) pairs,
+    so with a very narrow ``D`` dedup can move more bytes than plain in fewer rows.
     """
 
     expert_gemm_s: float
@@ -171,8 +182,10 @@ class MoELayerCost:
     quant_s: float
     elementwise_s: float
     page_fault_s: float
+    host_s: float
     a2a_s: float
     total_s: float
+    dispatch_rows: float
     dispatch_bytes: float
     rows: float
     imbalance: float
@@ -181,11 +194,22 @@ class MoELayerCost:
     @property
     def compute_s(self) -> float:
         return (self.expert_gemm_s + self.shared_gemm_s + self.router_s + self.quant_s
-                + self.elementwise_s + self.page_fault_s)
+                + self.elementwise_s + self.page_fault_s + self.host_s)
 
     @property
     def exposed_a2a_s(self) -> float:
         return max(0.0, self.total_s - self.compute_s)
+
+
+# All-to-all calls per stage of one chunk. ``"torch_moe"``: :func:`torch_moe.distributed.
+# dispatch.expert_parallel_moe_ffn` exchanges the counts (one synchronising call), then rows,
+# expert ids and routing weights separately; backward returns the gradients of the rows and of
+# the weights. ``"fused"``: one call per stage with ids and weights inside the row (DeepEP).
+DISPATCHERS = ("torch_moe", "fused")
+_DISPATCHER_CALLS = {
+    "torch_moe": dict(dispatch=4, combine=1, combine_backward=1, dispatch_backward=2),
+    "fused": dict(dispatch=1, combine=1, combine_backward=1, dispatch_backward=1),
+}
 
 
 def expert_counts(num_experts: int, assignments: float, load="uniform") -> list[float]:
@@ -294,6 +318,9 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     f_local = layer.hidden_dim // etp
     D = layer.dim
     quantized = prec in ("fp8_rowwise", "mxfp8")
+    # bytes per element of activations and weight gradients: the layer's own dtype (fp32 for
+    # an fp32 layer, else bf16; FP8 layers keep bf16 activations around their GEMMs)
+    act_b = 4 if prec == "fp32" else 2
 
     # Dense work on the rank's own tokens: shared experts and router (one group each).
     Tc = T / c
@@ -307,7 +334,7 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     router_b = 2 * router_f
     h_local = (2 if layer.gated else 1) * f_local
     w_elems = (E // ep) * layer.matrices * D * f_local
-    w_grad_bytes = (E // ep) * D * f_local * 2
+    w_grad_bytes = (E // ep) * D * f_local * act_b
     n_fwd = 2 if strategy.recompute == "full" else 1
 
     def rank_work(rank_counts) -> dict:
@@ -325,20 +352,23 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
                 + q(rows_c, f_local) + q(w_elems / D, D)
             quant_b = 3 * q(rows_c, D) + 2 * q(rows_c, h_local) + q(rows_c, f_local) \
                 + q(w_elems / D, D)
-        # Memory-bound kernels, bf16 bytes read + written: the row gather (permute), the
-        # activation (read H, write F), the weighted combine (read the rows, fp32 accumulate
-        # T x D) and the router softmax / top-k; backward moves about twice as much.
-        ew_f = (rows_c * D * 6 + rows_c * (h_local + f_local) * 2 + Tc * D * 4
-                + Tc * E * 8) / profile.memory_bandwidth_Bps
+        # Elementwise kernels around the expert GEMMs (row gather, activation, weighting,
+        # scatter-add; gemm_cost.ffn_elementwise_bytes) at their own rate, and the router's
+        # softmax / top-k (read and write T x E fp32, twice as much in backward) streaming.
+        ffn_f, ffn_b = gemm_cost.ffn_elementwise_bytes(rows_c, Tc, D, f_local, layer.gated,
+                                                       act_b)
+        router_bytes = Tc * E * 8 / profile.memory_bandwidth_Bps
+        ew_f = ffn_f / profile.elementwise_Bps + router_bytes
+        ew_b = ffn_b / profile.elementwise_Bps + 2 * router_bytes
         # Fresh allocations (page faults on the CPU): forward's hidden and fp32 output
         # accumulator; backward's fp32 grad_x and the weight gradients, new on every call.
-        pf_f = gemm_cost.fresh_alloc_time_s(profile, [rows_c * h_local * 2, Tc * D * 4])
+        pf_f = gemm_cost.fresh_alloc_time_s(profile, [rows_c * h_local * act_b, Tc * D * 4])
         pf_b = gemm_cost.fresh_alloc_time_s(profile,
                                             [Tc * D * 4] + [w_grad_bytes] * layer.matrices)
         work = dict(fwd=fwd, bwd=bwd, rec=rec, quant_f=quant_f, quant_b=quant_b, ew_f=ew_f,
-                    ew_b=2 * ew_f, pf_f=pf_f, pf_b=pf_b, rows=sum(rank_counts))
+                    ew_b=ew_b, pf_f=pf_f, pf_b=pf_b, rows=sum(rank_counts))
         work["key"] = (fwd + quant_f + ew_f + pf_f) * n_fwd + bwd + rec + quant_b \
-            + 2 * ew_f + pf_b
+            + ew_b + pf_b
         return work
 
     # The slowest rank sets the time; ranks with the same counts cost the same, so each
@@ -352,21 +382,33 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     imbalance = max(v["rows"] for v in per_rank) / mean_rows if mean_rows > 0 else 1.0
 
     # Token traffic per chunk on the slowest rank's receive side.
-    disp_row = D * (gemm_cost.element_bytes(prec) if quantized and strategy.fp8_dispatch else 2)
+    # A dispatched row carries the token (FP8 with its scales when the payload is quantized)
+    # and its W (expert id int32, routing weight fp32) pairs: W = 1 for plain dispatch, up to
+    # min(k, E / ep) for dedup, whose one row serves all the token's experts on a rank.
+    pairs = 1 if strategy.dispatch == "plain" else min(k, E // ep)
+    disp_row = D * (gemm_cost.element_bytes(prec) if quantized and strategy.fp8_dispatch
+                    else act_b) + pairs * 8
     if quantized and strategy.fp8_dispatch:
         disp_row += gemm_cost.scale_bytes(prec, 1, D) if prec == "fp8_rowwise" else D / 32
-    comb_row = D * 2
+    comb_row = D * act_b
+    calls = _DISPATCHER_CALLS[strategy.dispatcher]
 
-    def a2a(row_bytes: float) -> float:
+    def a2a(row_bytes: float, stage: str) -> float:
+        if group == 1:
+            return 0.0  # no expert parallelism: the layer sends nothing
         scale = Tc * imbalance * row_bytes
         intra = scale * (traffic.intra_copies + traffic.copies * (etp - 1))
         inter = scale * traffic.inter_copies
-        return comm_cost.all_to_all_time_s(profile, intra, inter)
+        return comm_cost.all_to_all_time_s(profile, intra, inter, calls[stage])
 
-    d_f, q_f = a2a(disp_row), a2a(comb_row)
-    d_b, q_b = a2a(comb_row), a2a(comb_row)
-    p_f = fwd_e + shared_f + router_f + quant_f + ew_f + pf_f
-    p_b = bwd_e + rec_e + shared_b + router_b + quant_b + ew_b + pf_b
+    d_f, q_f = a2a(disp_row, "dispatch"), a2a(comb_row, "combine")
+    # backward: the combine's gradient goes out, the rows' (and routing weights') come back
+    d_b = a2a(comb_row, "combine_backward")
+    q_b = a2a(comb_row + pairs * 4, "dispatch_backward")
+    # fixed host cost of a layer call, split like the FLOPs: a third in forward
+    host_f, host_b = profile.layer_overhead_s / 3, 2 * profile.layer_overhead_s / 3
+    p_f = fwd_e + shared_f + router_f + quant_f + ew_f + pf_f + host_f
+    p_b = bwd_e + rec_e + shared_b + router_b + quant_b + ew_b + pf_b + host_b
     if strategy.recompute == "full":
         # backward reruns the forward, its all-to-alls included
         p_b, d_b, q_b = p_b + p_f, d_b + d_f, q_b + q_f
@@ -380,13 +422,15 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     router = c * (router_f * n_fwd + router_b)
     quant = c * (quant_f * n_fwd + quant_b)
     elementwise = c * (ew_f * n_fwd + ew_b)
+    host = c * (host_f * n_fwd + host_b)
     page_fault = c * (pf_f * n_fwd + pf_b)
     a2a_total = c * (d_f + q_f + d_b + q_b)
     act = memory_cost.moe_activation_bytes(T, rows, D, f_local, k, prec, strategy.recompute,
                                            layer.gated, layer.shared_width)
     return MoELayerCost(
         expert_gemm_s=expert_gemm, shared_gemm_s=shared, router_s=router, quant_s=quant,
-        elementwise_s=elementwise, page_fault_s=page_fault, a2a_s=a2a_total, total_s=total,
-        dispatch_bytes=T * traffic.copies * disp_row, rows=rows, imbalance=imbalance,
+        elementwise_s=elementwise, page_fault_s=page_fault, host_s=host, a2a_s=a2a_total, total_s=total,
+        dispatch_rows=T * traffic.copies, dispatch_bytes=T * traffic.copies * disp_row,
+        rows=rows, imbalance=imbalance,
         activation_bytes=act)
 

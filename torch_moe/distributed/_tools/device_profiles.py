@@ -110,6 +110,14 @@ class DeviceProfile:
             GEMM launch on a GPU).
         per_group_s: fixed cost per non-empty group inside one grouped call (CPU: Python loop
             overhead around each ``torch.mm``; GPU: ~0, the scheduler walks the groups).
+        elementwise_bandwidth_Bps: achieved rate of the expert FFN's elementwise kernels (row
+            gather, activation forward / backward, routing-weight scaling, scatter-add), in the
+            bytes :func:`gemm_cost.ffn_elementwise_bytes` counts for them; ``None`` means
+            ``memory_bandwidth_Bps`` (streaming kernels). On a CPU the activation's ``exp`` and
+            the scatter-add make these well slower than ``copy_``.
+        layer_overhead_s: fixed host cost of one MoE layer forward + backward outside its GEMMs
+            and elementwise kernels (router, token sort, op dispatch, autograd); 0 on GPUs,
+            where it overlaps with device work.
         fresh_alloc_threshold_bytes: allocations at or above this size are fresh mappings that
             page-fault on first touch (glibc's 32 MiB mmap ceiling on the CPU); ``inf`` where a
             caching allocator reuses blocks (CUDA / ROCm).
@@ -131,6 +139,8 @@ class DeviceProfile:
     precision_efficiency: dict = field(default_factory=dict)
     gemm_call_s: float = 5e-6
     per_group_s: float = 0.0
+    elementwise_bandwidth_Bps: float | None = None
+    layer_overhead_s: float = 0.0
     fresh_alloc_threshold_bytes: float = math.inf
     page_fault_s_per_byte: float = 0.0
     sources: tuple = ()
@@ -152,8 +162,11 @@ class DeviceProfile:
                      "inter_node_bandwidth_Bps", "fresh_alloc_threshold_bytes"):
             if not getattr(self, attr) > 0:
                 raise ValueError(f"{fn}: expected {attr} > 0, but got {getattr(self, attr)}")
+        if self.elementwise_bandwidth_Bps is not None and not self.elementwise_bandwidth_Bps > 0:
+            raise ValueError(f"{fn}: expected elementwise_bandwidth_Bps > 0 or None, but got "
+                             f"{self.elementwise_bandwidth_Bps}")
         for attr in ("intra_node_latency_s", "inter_node_latency_s", "gemm_call_s",
-                     "per_group_s", "page_fault_s_per_byte"):
+                     "per_group_s", "layer_overhead_s", "page_fault_s_per_byte"):
             if not getattr(self, attr) >= 0:
                 raise ValueError(f"{fn}: expected {attr} >= 0, but got {getattr(self, attr)}")
         if isinstance(self.gemm_tile_rows, bool) or not isinstance(self.gemm_tile_rows, int) \
@@ -173,6 +186,11 @@ class DeviceProfile:
         if precision not in self.peak_flops:
             raise ValueError(f"{self.name} has no {precision} GEMMs: expected one of "
                              f"{tuple(self.peak_flops)}")
+
+    @property
+    def elementwise_Bps(self) -> float:
+        """Rate of the expert FFN's elementwise kernels (see ``elementwise_bandwidth_Bps``)."""
+        return self.elementwise_bandwidth_Bps or self.memory_bandwidth_Bps
 
     def gemm_flops(self, precision: str, rows: float, wgrad: bool = False) -> float:
         """Achieved FLOP/s of one GEMM whose token dimension has ``rows`` rows."""

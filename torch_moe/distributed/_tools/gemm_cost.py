@@ -35,6 +35,7 @@ __all__ = [
     "grouped_gemm_time_s",
     "expert_ffn_time",
     "element_bytes",
+    "ffn_elementwise_bytes",
     "scale_bytes",
     "quantize_time_s",
     "fresh_alloc_time_s",
@@ -155,6 +156,31 @@ def expert_ffn_time(profile: DeviceProfile, precision: str, counts, dim: int, hi
     wgrad = (grouped_gemm_time_s(profile, precision, counts, hidden_dim, dim, wgrad=True)
              + grouped_gemm_time_s(profile, precision, counts, dim, h, wgrad=True))
     return ExpertFFNTime(up + down, dgrad, wgrad, up if recompute_up else 0.0)
+
+
+def ffn_elementwise_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
+                          gated: bool = True, act_bytes: int = 2) -> tuple[float, float]:
+    """``(forward_bytes, backward_bytes)`` read + written by the elementwise kernels around the
+    expert GEMMs of ``grouped_ffn`` (``torch_moe/_native/cpu.py``) for ``rows`` expert rows
+    from ``tokens`` tokens, with activations of ``act_bytes`` per element (``H = 2F`` gated).
+
+    Forward: gather the rows' inputs (read + write ``D``), read ``H`` and write ``F`` for the
+    activation, scale the ``D`` outputs by the routing weight (read + write) and scatter-add
+    them (read ``D``) into the fp32 ``[T, D]`` accumulator (read + write). Backward: gather
+    the output gradient (``2D``), recompute the activation (``H + F``), the routing-weight
+    gradient (read ``2F``), two weight scalings (``2F`` each), the activation's backward (read
+    ``F + H``, write ``H``), gather the inputs again (``2D``) and scatter-add the input
+    gradient (``D`` plus the ``[T, D]`` fp32 accumulator)."""
+    if not (rows >= 0 and tokens >= 0):
+        raise ValueError(f"expected rows and tokens >= 0, but got {rows}, {tokens}")
+    _positive("dim", dim)
+    _positive("hidden_dim", hidden_dim)
+    h = 2 * hidden_dim if gated else hidden_dim
+    f = hidden_dim
+    fwd = rows * act_bytes * (2 * dim + h + f + 2 * dim + dim) + tokens * dim * 4 * 2
+    bwd = rows * act_bytes * (2 * dim + h + f + 2 * f + 4 * f + f + 2 * h + 2 * dim + dim) \
+        + tokens * dim * 4 * 2
+    return fwd, bwd
 
 
 def element_bytes(precision: str) -> int:
