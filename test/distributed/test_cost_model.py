@@ -228,12 +228,20 @@ class TestFormulas(TestCase):
 
     def test_activations(self):
         act = memory_cost.moe_activation_bytes
-        # T=10, S=20, D=8, F=4, k=2: input 160, routing 240, rows 320, hidden 320
-        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none"), 1040)
-        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "moe"), 720)
+        # T=10, S=20, D=8, F=4, k=2: input 160, routing 240 + sorted slots 160, rows 320,
+        # hidden 320
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none"), 1200)
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "moe"), 880)
         self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "full"), 160)
         # FP8 rows (1 B) and their fp32 row scales (20 x 4 B)
-        self.assertEqual(act(10, 20, 8, 4, 2, "fp8_rowwise", "none"), 160 + 240 + 240 + 320)
+        self.assertEqual(act(10, 20, 8, 4, 2, "fp8_rowwise", "none"),
+                         160 + 400 + 240 + 320)
+        # the router's logits, scores and top-k order (E=3: 10 x 3 x 16 B); without
+        # expert parallelism no received copy; an fp32 layer doubles the activations
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none", num_experts=3), 1200 + 480)
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none", dispatched=False), 1200 - 320)
+        self.assertEqual(act(10, 20, 8, 4, 2, "fp32", "none", dispatched=False, act_bytes=4),
+                         320 + 400 + 640)
 
     def test_counts_and_skew(self):
         self.assertEqual(expert_counts(4, 8.0), [2.0] * 4)

@@ -142,7 +142,6 @@ class _Chunk:
     token_N: Tensor  # [N] int64, chunk-local token of each row (0 for an empty row)
     ids_NW: Tensor  # [N, W] int32 local expert ids, G where unused
     weights_NW: Tensor  # [N, W] fp32 routing weights, 0 where unused (differentiable)
-    num_tokens: int
     send_splits: Optional[list[int]]  # rows per destination; None = C each (capacity mode)
     recv_splits: Optional[list[int]]
 
@@ -201,7 +200,7 @@ def _pack(topk_ids, topk_weights, planned, G, R, W, capacity: Optional[int], spl
     ids_NW = ids_NW.index_put((slot, col), local.to(_ID_DTYPE))
     weights = topk_weights.reshape(-1).to(_WEIGHT_DTYPE).index_select(0, order)
     weights_NW = weights.new_zeros(num_rows + 1, W).index_put((slot, col), weights)
-    return _Chunk(token_N[:num_rows], ids_NW[:num_rows], weights_NW[:num_rows], T,
+    return _Chunk(token_N[:num_rows], ids_NW[:num_rows], weights_NW[:num_rows],
                   splits[0] if splits else None, splits[1] if splits else None)
 
 

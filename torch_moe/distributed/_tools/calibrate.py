@@ -94,7 +94,11 @@ def measure_gemm_curve(rows, dim: int, hidden_dim: int, dtype: torch.dtype = tor
                 a, b = torch.randn(r, k_, dtype=dtype).t(), torch.randn(r, n_, dtype=dtype)
                 operands.append([(a, b, c) for c in m])
             else:
-                a, c = torch.randn(r, k_, dtype=dtype), torch.empty(r, n_, dtype=dtype)
+                # the gate / up projections write the halves of a [rows, 2F] buffer, so their
+                # outputs are row-strided views, as in grouped_ffn
+                a = torch.randn(r, k_, dtype=dtype)
+                c = torch.empty(r, 2 * n_, dtype=dtype)[:, :n_] if n_ == hidden_dim else \
+                    torch.empty(r, n_, dtype=dtype)
                 operands.append([(a, b, c) for b in m])
         # ~20 ms of work per timing at ~100 GFLOP/s
         calls = max(1, min(10000, int(2e9 / (4.0 * r * dim * hidden_dim))))
@@ -169,6 +173,8 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     from torch_moe._native.activation import activation_backward, activation_forward
     from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
 
+    from torch_moe._native.cpu import _BLOCK_ROWS as block
+
     _check_reps(reps)
     D, F, n = dim, hidden_dim, rows
     g = torch.Generator().manual_seed(0)
@@ -183,19 +189,24 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     acc = torch.zeros(n, D)
 
     def run():
-        # forward
-        torch.index_select(x, 0, idx, out=X)
-        activation_forward("swiglu", h, act, 1.702, 7.0)
-        o.copy_(X).mul_(w)  # stands in for the down projection's output, then its scaling
-        acc.index_add_(0, idx, o)
-        # backward
-        torch.index_select(grad, 0, idx, out=G)
-        activation_forward("swiglu", h, act, 1.702, 7.0)
-        torch.sum(dA * act, dim=1)
-        act.mul_(w)
-        activation_backward("swiglu", dA.mul_(w), h, dH, 1.702, 7.0)
-        torch.index_select(x, 0, idx, out=dX)
-        acc.index_add_(0, idx, dX)
+        # block by block, as the kernel walks its rows (torch_moe/_native/cpu.py: _BLOCK_ROWS),
+        # so the per-call cost of every kernel is paid as often
+        for s in range(0, n, block):
+            e = min(s + block, n)
+            i, hb, wb = idx[s:e], h[s:e], w[s:e]
+            # forward
+            torch.index_select(x, 0, i, out=X[s:e])
+            activation_forward("swiglu", hb, act[s:e], 1.702, 7.0)
+            o[s:e].copy_(X[s:e]).mul_(wb)  # stands in for the down projection's output
+            acc.index_add_(0, i, o[s:e])
+            # backward
+            torch.index_select(grad, 0, i, out=G[s:e])
+            activation_forward("swiglu", hb, act[s:e], 1.702, 7.0)
+            torch.sum(dA[s:e] * act[s:e], dim=1)
+            act[s:e].mul_(wb)
+            activation_backward("swiglu", dA[s:e].mul_(wb), hb, dH[s:e], 1.702, 7.0)
+            torch.index_select(x, 0, i, out=dX[s:e])
+            acc.index_add_(0, i, dX[s:e])
 
     # the stand-in copy_ of the forward is D extra bytes read per row; count it
     fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, torch.finfo(dtype).bits // 8)

@@ -426,7 +426,8 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     page_fault = c * (pf_f * n_fwd + pf_b)
     a2a_total = c * (d_f + q_f + d_b + q_b)
     act = memory_cost.moe_activation_bytes(T, rows, D, f_local, k, prec, strategy.recompute,
-                                           layer.gated, layer.shared_width)
+                                           layer.gated, layer.shared_width, E,
+                                           dispatched=group > 1, act_bytes=act_b)
     return MoELayerCost(
         expert_gemm_s=expert_gemm, shared_gemm_s=shared, router_s=router, quant_s=quant,
         elementwise_s=elementwise, page_fault_s=page_fault, host_s=host, a2a_s=a2a_total, total_s=total,

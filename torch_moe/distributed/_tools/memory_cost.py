@@ -104,7 +104,8 @@ def model_state_bytes(num_params: float, shard_group: int, sharding: str,
 
 def moe_activation_bytes(tokens: float, rows: float, dim: int, hidden_dim: int, top_k: int,
                          precision: str, recompute: str, gated: bool = True,
-                         shared_hidden_dim: int = 0) -> float:
+                         shared_hidden_dim: int = 0, num_experts: int = 0,
+                         dispatched: bool = True, act_bytes: int = 2) -> float:
     """Saved activation bytes of one MoE layer for one micro-batch on one rank.
 
     Args:
@@ -112,20 +113,26 @@ def moe_activation_bytes(tokens: float, rows: float, dim: int, hidden_dim: int, 
         hidden_dim: ``F`` per expert on this rank (divided by expert tensor parallelism).
         shared_hidden_dim: total FFN width of the shared experts (0 without them); they
             save ``T x D`` input rows and ``T x H_shared`` like a routed expert with all tokens.
+        num_experts: ``E``; the router saves its fp32 logits and scores and the int64 order of
+            its stable top-k, ``T x E`` each (0 leaves the router out).
+        dispatched: the expert rows arrived by all-to-all and are saved as their own
+            ``S x D`` buffer; without expert parallelism the experts read the layer input.
+        act_bytes: bytes per activation element (bf16: 2; an fp32 layer: 4).
     """
     _nonneg("tokens", tokens)
     _nonneg("rows", rows)
     _nonneg("shared_hidden_dim", shared_hidden_dim)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"unknown recompute {recompute!r}: expected one of {RECOMPUTE_MODES}")
-    act = 2  # bf16 activations
+    act = act_bytes
     layer_input = tokens * dim * act
     if recompute == "full":
         return layer_input
     h = 2 * hidden_dim if gated else hidden_dim
-    routing = tokens * top_k * (8 + 4)  # int64 ids + fp32 weights
-    e = element_bytes(precision)
-    received = rows * dim * e + scale_bytes(precision, rows, dim)
+    # int64 ids + fp32 weights per assignment, the router's T x E, the int64 sorted slots
+    routing = tokens * top_k * (8 + 4) + tokens * num_experts * (4 + 4 + 8) + rows * 8
+    e = act if precision in ("bf16", "fp32") else element_bytes(precision)
+    received = rows * dim * e + scale_bytes(precision, rows, dim) if dispatched else 0.0
     total = layer_input + routing + received
     if shared_hidden_dim:
         hs = 2 * shared_hidden_dim if gated else shared_hidden_dim
