@@ -22,7 +22,9 @@ setup(
         # optional comparison in benchmarks/ops.py; torchtitan pins its own torch, so install it
         # only where that torch is the one you want
         # torchtitan 0.3.0 imports triton at import time
-        "bench": ["torchtitan==0.3.0", "triton>=3.9"],
+        "bench": ["torchtitan==0.3.0", "triton>=3.9", "matplotlib>=3.7"],
+        # the PNGs of benchmarks/sparsity_sweep.py, without torchtitan
+        "plots": ["matplotlib>=3.7"],
     },
     license="BSD-3-Clause",
 )

@@ -19,7 +19,7 @@ median, each call after a barrier; predicted: ``moe_layer_cost(ep=R)``. Bytes: t
 
 Error = predicted / measured - 1; the summary gives the median and 90th percentile of its
 absolute value over all configurations. Plots (``--plots``, needs matplotlib: ``pip install
--e .[bench]``): time per token against E and k, the roofline of each grouped GEMM (the up
+-e .[plots]``): time per token against E and k, the roofline of each grouped GEMM (the up
 projection measured through ``torch_moe.grouped_mm``, and the model's point for each of the
 layer's grouped GEMMs), and the communication share of an MoE layer against the EP degree.
 
@@ -135,41 +135,73 @@ def _skewed_layer(case: LayerCase, seed: int = 0):
     return layer, x
 
 
-def measure_layer(case: LayerCase, profile) -> dict:
-    layer, x = _skewed_layer(case)
-    params = list(layer.parameters())
+ROUNDS = 5
 
-    def reset():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
 
-    def step():
-        layer(x).sum().backward()
+class _LayerRun:
+    """One configuration's layer, input and timings."""
 
-    measured_s = _median_time(step, reset)
-    # the counts of the last call (routing is the same every call)
-    counts = layer.tokens_per_expert.to(torch.float64)
-    counts = counts / counts.sum() * case.T * case.k
-    saved = SavedBytes([x, *params])
-    with saved:
-        y = layer(x)
-    _, activations = saved.totals()
-    del y
-    measured_mem = activations + x.numel() * x.element_size()  # the input is saved too
+    def __init__(self, case: LayerCase):
+        self.case = case
+        self.layer, self.x = _skewed_layer(case)
+        self.times: list[float] = []
 
+    def step(self) -> float:
+        self.layer.zero_grad(set_to_none=True)
+        self.x.grad = None
+        t0 = time.perf_counter()
+        self.layer(self.x).sum().backward()
+        elapsed = time.perf_counter() - t0
+        self.layer.zero_grad(set_to_none=True)  # the other layers' rounds need the memory
+        return elapsed
+
+    def release(self) -> None:
+        """Keeps what the prediction needs (counts, saved bytes), frees the weights."""
+        layer, x = self.layer, self.x
+        counts = layer.tokens_per_expert.to(torch.float64)
+        self.counts = (counts / counts.sum() * self.case.T * self.case.k).tolist()
+        saved = SavedBytes([x, *layer.parameters()])
+        with saved:
+            y = layer(x)
+        _, activations = saved.totals()
+        del y
+        self.saved_bytes = activations + x.numel() * x.element_size()  # the input is saved too
+        del self.layer, self.x
+
+
+def measure_layers(cases: list[LayerCase], rounds: int = ROUNDS) -> list[_LayerRun]:
+    """Forward + backward of every configuration, in ``rounds`` rounds that each time every
+    configuration once (after a warm-up round): a slow phase of the machine then lands on all
+    configurations alike instead of on the few measured during it."""
+    runs = [_LayerRun(c) for c in cases]
+    for r in range(rounds + 1):
+        for run in runs:
+            t = run.step()
+            if r:
+                run.times.append(t)
+        print(f"  round {r}/{rounds} done", flush=True)
+    for run in runs:
+        run.release()
+    return runs
+
+
+def predict_layer(run: _LayerRun, profile) -> dict:
+    case = run.case
+    measured_s = statistics.median(run.times)
     spec = MoELayerSpec(D, F, case.E, case.k)
     pred = moe_layer_cost(spec, MoEStrategy(ep=1, dispatch="plain", precision="fp32"), profile,
-                          tokens_per_rank=case.T, load=counts.tolist())
+                          tokens_per_rank=case.T, load=run.counts)
     mean = case.T * case.k / case.E
     return dict(part="layer", R=1, E=case.E, k=case.k, T=case.T, skew=case.skew, dispatch="-",
-                max_over_mean=round(counts.max().item() / mean, 2),
+                max_over_mean=round(max(run.counts) / mean, 2),
                 measured_ms=measured_s * 1e3, predicted_ms=pred.total_s * 1e3,
                 time_err=pred.total_s / measured_s - 1,
-                measured_MiB=measured_mem / 2**20, predicted_MiB=pred.activation_bytes / 2**20,
-                mem_err=pred.activation_bytes / measured_mem - 1,
+                measured_MiB=run.saved_bytes / 2**20,
+                predicted_MiB=pred.activation_bytes / 2**20,
+                mem_err=pred.activation_bytes / run.saved_bytes - 1,
                 gemm_ms=pred.expert_gemm_s * 1e3, elementwise_ms=pred.elementwise_s * 1e3,
                 page_fault_ms=pred.page_fault_s * 1e3, host_ms=pred.host_s * 1e3,
-                a2a_ms=pred.a2a_s * 1e3, counts=counts.tolist())
+                a2a_ms=pred.a2a_s * 1e3, counts=run.counts)
 
 
 def measure_grouped_mm(case: LayerCase, counts: list[float], profile) -> dict:
@@ -354,7 +386,7 @@ def plot(layer_rows, dispatch_rows, roofline, profile, out_dir: Path) -> list[Pa
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install -e .[bench]): no plots")
+        print("matplotlib is not installed (pip install -e .[plots]): no plots")
         return []
     paths = []
 
@@ -459,23 +491,22 @@ def main() -> None:
 
     print("\n".join(environment_header()))
     t0 = time.perf_counter()
-    profile = calibrate.calibrate_local(D, F, quick=args.quick)
-    calibrate.save_profile(profile, out_dir / "local_cpu_profile.json")
-    print(f"calibrated in {time.perf_counter() - t0:.0f} s: GEMM peak "
-          f"{profile.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, copy "
-          f"{profile.memory_bandwidth_Bps / 1e9:.1f} GB/s, elementwise "
-          f"{profile.elementwise_Bps / 1e9:.1f} GB/s, per group "
-          f"{profile.per_group_s * 1e6:.1f} us, layer call {profile.layer_overhead_s * 1e3:.2f} "
-          f"ms, page faults {profile.page_fault_s_per_byte * 2**20 * 1e3:.2f} ms/MiB")
 
-    layer_rows, roofline = [], []
-    for case in layer_cases:
-        row = measure_layer(case, profile)
-        layer_rows.append(row)
-        roofline.append(measure_grouped_mm(case, row["counts"], profile))
-        print(f"  layer E={case.E} k={case.k} T={case.T} skew={case.skew}: measured "
-              f"{row['measured_ms']:.1f} ms, predicted {row['predicted_ms']:.1f} ms "
-              f"({row['time_err'] * 100:+.0f}%)", flush=True)
+    def calibrated(when):
+        p = calibrate.calibrate_local(D, F, quick=args.quick)
+        print(f"calibration {when}: GEMM peak {p.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, copy "
+              f"{p.memory_bandwidth_Bps / 1e9:.1f} GB/s, elementwise "
+              f"{p.elementwise_Bps / 1e9:.1f} GB/s, per group {p.per_group_s * 1e6:.1f} us, "
+              f"layer call {p.layer_overhead_s * 1e3:.2f} ms, page faults "
+              f"{p.page_fault_s_per_byte * 2**20 * 1e3:.2f} ms/MiB", flush=True)
+        return p
+
+    before = calibrated("before")
+    runs = measure_layers(layer_cases, 2 if args.quick else ROUNDS)
+    profile = calibrate.average_profiles([before, calibrated("after")], "local-cpu")
+    calibrate.save_profile(profile, out_dir / "local_cpu_profile.json")
+    layer_rows = [predict_layer(run, profile) for run in runs]
+    roofline = [measure_grouped_mm(r.case, r.counts, profile) for r in runs]
     dispatch_rows = run_dispatch(dispatch_cases, args.quick) if dispatch_cases else []
     rows = layer_rows + dispatch_rows
 

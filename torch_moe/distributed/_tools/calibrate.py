@@ -20,6 +20,7 @@ one warm-up. The machine is shared: calibrate when it is quiet.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -39,6 +40,7 @@ __all__ = [
     "measure_all_to_all",
     "fit_efficiency_curve",
     "calibrate_local",
+    "average_profiles",
     "save_profile",
     "load_profile",
 ]
@@ -354,6 +356,49 @@ def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False,
                  f"{torch.get_num_threads()} threads, torch {torch.__version__}, GEMMs in "
                  f"{str(bf16_dtype).replace('torch.', '')}",),
     )
+
+
+def average_profiles(profiles, name: str | None = None) -> DeviceProfile:
+    """The mean of several calibrations of one machine (same row points): a shared machine
+    drifts between fast and slow phases over minutes, so profiles taken before and after a
+    long measurement bracket it better than either alone. Numbers and achieved GEMM rates are
+    averaged; a mean of curves that each grow no faster than the rows does not either."""
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("expected at least one profile")
+    first = profiles[0]
+    for p in profiles[1:]:
+        for curve in ("gemm_efficiency", "wgrad_efficiency"):
+            if [r for r, _ in getattr(p, curve)] != [r for r, _ in getattr(first, curve)]:
+                raise ValueError(f"expected profiles measured at the same rows, but the "
+                                 f"{curve} of {p.name!r} and {first.name!r} differ")
+        if set(p.peak_flops) != set(first.peak_flops):
+            raise ValueError("expected profiles with the same precisions")
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    fields = {}
+    for f in dataclasses.fields(DeviceProfile):
+        values = [getattr(p, f.name) for p in profiles]
+        if f.name in ("gemm_efficiency", "wgrad_efficiency"):
+            # average the achieved rates, not the fractions of different peaks
+            key = "bf16" if "bf16" in first.peak_flops else next(iter(first.peak_flops))
+            peaks = [p.peak_flops[key] for p in profiles]
+            fields[f.name] = tuple(
+                (r, mean([c[i][1] * pk for c, pk in zip(values, peaks)]) / mean(peaks))
+                for i, (r, _) in enumerate(values[0]))
+        elif f.name == "peak_flops":
+            fields[f.name] = {k: mean([v[k] for v in values]) for k in values[0]}
+        elif f.name == "sources":
+            fields[f.name] = (f"mean of {len(profiles)} calibrations",) + values[0]
+        elif f.name == "name":
+            fields[f.name] = name or values[0]
+        elif isinstance(values[0], float) and values[0] is not None:
+            fields[f.name] = mean(values)
+        else:
+            fields[f.name] = values[0]
+    return DeviceProfile(**fields)
 
 
 def save_profile(profile: DeviceProfile, path: str) -> None:
