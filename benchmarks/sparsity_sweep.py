@@ -414,7 +414,7 @@ def plot(layer_rows, dispatch_rows, roofline, profile, out_dir: Path) -> list[Pa
     # 2. roofline of the up projection's grouped GEMM
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     peak, bw = profile.peak_flops["fp32"], profile.memory_bandwidth_Bps
-    xs = [0.1 * 1.25 ** i for i in range(60)]
+    xs = [0.1 * 1.25 ** i for i in range(42)]
     ax.plot(xs, [min(peak, bw * x) / 1e9 for x in xs], "k-", lw=1,
             label=f"roofline: {peak / 1e9:.0f} GFLOP/s, {bw / 1e9:.0f} GB/s")
     ax.scatter([p["intensity"] for p in roofline], [p["measured_flops"] / 1e9 for p in roofline],

@@ -147,6 +147,26 @@ class TestFormulas(TestCase):
                                64 * 0.3e-3)
         self.assertEqual(gemm_cost.fresh_alloc_time_s(H100, sizes), 0.0)
 
+    def test_ffn_elementwise_bytes(self):
+        # 10 rows from 4 tokens, D=8, F=2 gated (H=4), fp32:
+        # forward per row 2*8 + 4 + 2 + 2*8 + 8 = 46 elements, backward
+        # 2*8 + 4 + 2 + 2*2 + 4*2 + 2 + 2*4 + 2*8 + 8 = 68; plus 2 passes over the fp32 [4, 8]
+        fwd, bwd = gemm_cost.ffn_elementwise_bytes(10, 4, 8, 2, True, 4)
+        self.assertEqual((fwd, bwd), (10 * 4 * 46 + 256, 10 * 4 * 68 + 256))
+        # the layer charges them at the profile's elementwise rate
+        prof = _toy_profile(elementwise_bandwidth_Bps=1e9, layer_overhead_s=3e-3)
+        layer = MoELayerSpec(dim=8, hidden_dim=2, num_experts=2, top_k=1)
+        cost = moe_layer_cost(layer, MoEStrategy(ep=1, precision="fp32"),
+                              dataclasses.replace(prof, peak_flops={"fp32": 1e12}), 10)
+        router = 10 * 2 * 8 * 3 / 1e11  # softmax / top-k bytes, forward and twice in backward
+        expected = sum(gemm_cost.ffn_elementwise_bytes(10, 10, 8, 2, True, 4)) / 1e9 + router
+        self.assertAlmostEqual(cost.elementwise_s, expected)
+        # the fixed host cost of a layer call, once per chunk
+        self.assertAlmostEqual(cost.host_s, 3e-3)
+        two = moe_layer_cost(layer, MoEStrategy(ep=1, precision="fp32", num_chunks=2),
+                             dataclasses.replace(prof, peak_flops={"fp32": 1e12}), 10)
+        self.assertAlmostEqual(two.host_s, 6e-3)
+
     def test_all_to_all_alpha_beta(self):
         prof = _toy_profile()
         # both links at once; the slower (network: 2e-5 + 1e9 / 5e10) sets the time
@@ -461,6 +481,22 @@ class TestPlannerAndCalibration(TestCase):
         # the calibrated profile prices a layer
         cost = moe_layer_cost(MoELayerSpec(128, 64, 8, 2), MoEStrategy(), prof, 256)
         self.assertTrue(math.isfinite(cost.total_s) and cost.total_s > 0)
+
+    def test_average_profiles(self):
+        a = _toy_profile(per_group_s=1e-6)
+        b = _toy_profile(peak_flops={"bf16": 3e12, "fp8_rowwise": 2e12, "mxfp8": 2e12},
+                         per_group_s=3e-6, gemm_efficiency=((128, 0.25), (1024, 1.0)))
+        m = calibrate.average_profiles([a, b], "mean")
+        self.assertEqual(m.name, "mean")
+        self.assertAlmostEqual(m.per_group_s, 2e-6)
+        self.assertAlmostEqual(m.peak_flops["bf16"], 2e12)
+        # achieved rates are averaged: 128 rows ran at 0.5 TFLOP/s and 0.75 TFLOP/s
+        self.assertAlmostEqual(m.gemm_flops("bf16", 128), 0.625e12)
+        self.assertAlmostEqual(m.gemm_flops("bf16", 1024), 2e12)
+        with self.assertRaisesRegex(ValueError, "same rows"):
+            calibrate.average_profiles([a, _toy_profile(gemm_efficiency=((64, 0.5),))])
+        with self.assertRaisesRegex(ValueError, "at least one"):
+            calibrate.average_profiles([])
 
     def test_fit_efficiency_curve_is_valid(self):
         # noisy points where more rows would be faster in total are flattened
