@@ -1,12 +1,17 @@
 """Measure the local machine into a :class:`DeviceProfile` with a short microbenchmark.
 
-What is measured, and the profile field each sets:
+What is measured, and the profile field each sets. Each benchmark mirrors what the CPU kernel
+of ``grouped_ffn`` (``torch_moe/_native/cpu.py``) does, in the dtype it computes in:
 
-* GEMM throughput against rows per group (``[rows, D] @ [D, 2F]``, the up projection of an
-  expert) and for the weight-gradient form (``[D, rows] @ [rows, 2F]``): ``peak_flops`` (the
-  best rate seen), ``gemm_efficiency`` and ``wgrad_efficiency`` (rate / peak);
-* the fixed cost of one tiny ``torch.mm`` call: ``per_group_s`` (the CPU grouped FFN is a
-  Python loop of ``torch.mm``);
+* GEMM throughput against rows per group, token-major (``[rows, D] @ [D, F]`` and ``[rows, F]
+  @ [F, D]``) and weight-gradient forms (``[D, rows] @ [rows, F]``, ``[F, rows] @ [rows, D]``),
+  each call on a different expert's matrix: ``peak_flops`` (the best rate seen),
+  ``gemm_efficiency`` and ``wgrad_efficiency`` (rate / peak);
+* the kernel's host work per non-empty group and grouped GEMM, on one-row groups:
+  ``per_group_s``;
+* its elementwise kernels (gather, SwiGLU forward / backward, weighting, scatter-add) block by
+  block: ``elementwise_bandwidth_Bps``;
+* forward + backward of a minimal ``MoE`` layer: ``layer_overhead_s``;
 * ``copy_`` into an existing buffer: ``memory_bandwidth_Bps`` (read + write);
 * a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold against the same on a
   reused buffer: ``page_fault_s_per_byte``;
@@ -15,7 +20,8 @@ What is measured, and the profile field each sets:
 
 A full run stays well under a minute on two cores; ``quick=True`` runs tiny sizes once, to
 check the plumbing (its numbers mean nothing). Timings take the median of ``reps`` runs after
-one warm-up. The machine is shared: calibrate when it is quiet.
+one warm-up (the GEMM curve: of ``reps`` passes over all row counts). The machine is shared:
+calibrate when it is quiet, and bracket long measurements (:func:`average_profiles`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ from torch_moe.distributed._tools.device_profiles import LOCAL_CPU_NOTES, Device
 
 __all__ = [
     "measure_gemm_curve",
-    "measure_call_overhead_s",
     "measure_group_overhead_s",
     "measure_ffn_elementwise_Bps",
     "measure_layer_overhead_s",
@@ -151,19 +156,6 @@ def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
         return _median_s(run, reps)
 
     return max(0.0, timed(groups) - timed(1)) / (groups - 1) / 6
-
-
-def measure_call_overhead_s(reps: int = 5, calls: int = 2000) -> float:
-    """Seconds of one ``torch.mm`` on 1 x 8 x 8 operands: the per-group cost of the loop."""
-    _check_reps(reps)
-    a, b = torch.randn(1, 8), torch.randn(8, 8)
-    c = torch.empty(1, 8)
-
-    def run():
-        for _ in range(calls):
-            torch.mm(a, b, out=c)
-
-    return _median_s(run, reps) / calls
 
 
 def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
