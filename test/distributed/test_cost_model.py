@@ -219,6 +219,13 @@ class TestFormulas(TestCase):
         # no expert parallelism, no communication
         alone = moe_layer_cost(layer, MoEStrategy(ep=1), prof, tokens_per_rank=1000)
         self.assertEqual(alone.a2a_s, 0.0)
+        # host work per dispatched row: 1000 tokens x 2 copies x 1 us, none without EP
+        busy = dataclasses.replace(prof, dispatch_row_s=1e-6)
+        self.assertAlmostEqual(
+            moe_layer_cost(layer, MoEStrategy(ep=16, dispatch="plain"), busy, 1000).host_s
+            - ours.host_s, 2e-3)
+        self.assertEqual(moe_layer_cost(layer, MoEStrategy(ep=1), busy, 1000).host_s,
+                         alone.host_s)
 
     def test_chunks_hide_communication(self):
         # flat efficiency and no latency: chunking keeps compute and hides communication
@@ -497,6 +504,37 @@ class TestPlannerAndCalibration(TestCase):
             calibrate.average_profiles([a, _toy_profile(gemm_efficiency=((64, 0.5),))])
         with self.assertRaisesRegex(ValueError, "at least one"):
             calibrate.average_profiles([])
+
+    def test_fit_to_grouped_ffn(self):
+        # no host, elementwise or page-fault cost: the kernel's time is its GEMMs, here twice
+        # what the part-wise curves predict, so both curves drop to half
+        prof = _toy_profile(peak_flops={"fp32": 1e12}, gemm_tile_rows=1, gemm_call_s=0.0,
+                            per_group_s=0.0, elementwise_bandwidth_Bps=1e18,
+                            gemm_efficiency=((1, 0.5), (1024, 0.5)),
+                            wgrad_efficiency=((1, 0.25), (1024, 0.25)))
+        D, F = 64, 32
+
+        def kernel_s(r, G, factor):
+            t = gemm_cost.expert_ffn_time(prof, "fp32", [float(r)] * G, D, F)
+            return factor * t.total_s
+
+        slow = calibrate.fit_to_grouped_ffn(
+            prof, [(r, 4, kernel_s(r, 4, 2.0)) for r in (16, 256)], D, F)
+        self.assertAlmostEqual(slow.gemm_flops("fp32", 100), 0.25e12, delta=1e6)
+        self.assertAlmostEqual(slow.wgrad_efficiency[-1][1], 0.125, places=6)
+        self.assertIn("scaled to grouped_ffn", slow.sources[-1])
+        # faster than the parts: scaled up, but never past the peak
+        fast = calibrate.fit_to_grouped_ffn(
+            prof, [(r, 4, kernel_s(r, 4, 1 / 3)) for r in (16, 256)], D, F)
+        self.assertEqual(fast.gemm_efficiency[-1][1], 1.0)
+        self.assertAlmostEqual(fast.wgrad_efficiency[-1][1], 0.75, places=6)
+
+    def test_fresh_allocations(self):
+        # 10 rows of 4 tokens, D=8, F=2 gated, 3 local experts, fp32: hidden 10 x 4 x 4 B,
+        # accumulators 4 x 8 x 4 B, three weight gradients 3 x 8 x 2 x 4 B
+        fwd, bwd = gemm_cost.ffn_fresh_allocations(10, 4, 8, 2, 3, True, 4)
+        self.assertEqual(fwd, [160, 128])
+        self.assertEqual(bwd, [128, 192, 192, 192])
 
     def test_fit_efficiency_curve_is_valid(self):
         # noisy points where more rows would be faster in total are flattened

@@ -16,7 +16,11 @@ of ``grouped_ffn`` (``torch_moe/_native/cpu.py``) does, in the dtype it computes
 * a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold against the same on a
   reused buffer: ``page_fault_s_per_byte``;
 * optionally, with a process group, ``all_to_all_single`` at two sizes: the latency and
-  bandwidth of both link fields (one machine has one link).
+  bandwidth of both link fields (one machine has one link); then ``expert_parallel_moe_ffn``
+  on a uniform load: ``dispatch_row_s``, the host work per dispatched row the rest leaves out.
+
+Last, the GEMM curves are reconciled with ``grouped_ffn`` itself run on uniform loads
+(:func:`fit_to_grouped_ffn`).
 
 A full run stays well under a minute on two cores; ``quick=True`` runs tiny sizes once, to
 check the plumbing (its numbers mean nothing). Timings take the median of ``reps`` runs after
@@ -38,6 +42,9 @@ from torch_moe.distributed._tools.device_profiles import LOCAL_CPU_NOTES, Device
 __all__ = [
     "measure_gemm_curve",
     "measure_group_overhead_s",
+    "measure_grouped_ffn_s",
+    "fit_to_grouped_ffn",
+    "measure_dispatch_row_s",
     "measure_ffn_elementwise_Bps",
     "measure_layer_overhead_s",
     "measure_copy_bandwidth_Bps",
@@ -134,7 +141,8 @@ def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
     """Seconds of host work per non-empty group and grouped GEMM call inside ``grouped_ffn``
     forward + backward (slicing, weight views, the ``torch.mm`` call itself), measured on
     ``groups`` one-row groups of an 8-wide expert, where the arithmetic is negligible, against
-    a single group. The cost model charges it on each of its 6 grouped GEMMs per layer."""
+    a single group. The cost model charges it on each of the grouped GEMMs of
+    ``gemm_cost.expert_ffn_time``."""
     _check_reps(reps)
     import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
 
@@ -155,7 +163,99 @@ def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
 
         return _median_s(run, reps)
 
-    return max(0.0, timed(groups) - timed(1)) / (groups - 1) / 6
+    from torch_moe.distributed._tools.gemm_cost import EXPERT_FFN_GROUPED_CALLS
+
+    return max(0.0, timed(groups) - timed(1)) / (groups - 1) / EXPERT_FFN_GROUPED_CALLS
+
+
+def measure_grouped_ffn_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.float32,
+                          reps: int = 5, total_rows: int = 8192,
+                          max_groups: int = 64) -> list[tuple[int, int, float]]:
+    """``[(rows, groups, seconds)]`` of ``grouped_ffn`` forward + backward (SwiGLU) on a uniform
+    synthetic load: ``groups`` experts of ``rows`` rows each, one row per token. The kernel
+    as a whole, with its GEMMs, elementwise kernels, host work and allocations interleaved as
+    they are in a layer; :func:`fit_to_grouped_ffn` reconciles the part-wise curves with it.
+    Row counts are timed in interleaved passes, like :func:`measure_gemm_curve`."""
+    import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
+
+    _check_reps(reps)
+    ops = torch.ops.torch_moe
+    cases = []
+    g = torch.Generator().manual_seed(0)
+    for r in rows:
+        G = max(1, min(max_groups, total_rows // r))
+        S = G * r
+        x = torch.randn(S, dim, generator=g, dtype=dtype)
+        w1, w3 = (torch.randn(G, dim, hidden_dim, generator=g, dtype=dtype) for _ in range(2))
+        w2 = torch.randn(G, hidden_dim, dim, generator=g, dtype=dtype)
+        sorted_ids = torch.arange(S)
+        offs = torch.arange(1, G + 1, dtype=torch.int32) * r
+        weights = torch.rand(S, 1, generator=g)
+        grad = torch.randn(S, dim, generator=g, dtype=dtype)
+        cases.append((r, G, (x, sorted_ids, offs, weights, w1, w2, w3), grad))
+
+    def run(args, grad):
+        y, hidden = ops.grouped_ffn(*args, "swiglu", 1.702, 7.0)
+        ops.grouped_ffn_backward(grad, args[0], args[1], args[2], args[3], args[4], args[5],
+                                 args[6], hidden, "swiglu", 1.702, 7.0)
+
+    times = {r: [] for r, *_ in cases}
+    for p in range(reps + 1):
+        for r, G, args, grad in cases:
+            t0 = time.perf_counter()
+            run(args, grad)
+            if p:
+                times[r].append(time.perf_counter() - t0)
+    return [(r, G, statistics.median(times[r])) for r, G, *_ in cases]
+
+
+def fit_to_grouped_ffn(profile: DeviceProfile, measured, dim: int, hidden_dim: int,
+                       precision: str = "fp32") -> DeviceProfile:
+    """Scale ``profile``'s GEMM curves so that the cost model's ``grouped_ffn`` time matches
+    ``measured`` (from :func:`measure_grouped_ffn_s`) at each row count.
+
+    The part-wise benchmarks time each GEMM shape in a tight loop of its own; inside the kernel
+    the GEMMs alternate with gathers, activations and scatter-adds that evict their operands,
+    and run a little slower. With the model's own elementwise, host and page-fault terms taken
+    out of the measured time, what is left is the kernel's GEMM time; the ratio to the modelled
+    GEMM time scales both curves at that row count (interpolated in between, clamped at the
+    ends), keeping the forward / weight-gradient ratio the part-wise benchmarks saw. The peak
+    stays; a fraction that would pass 1 is capped, and the curves keep growing no faster than
+    the rows (:func:`fit_efficiency_curve`)."""
+    from torch_moe.distributed._tools import gemm_cost
+
+    act_b = 4 if precision == "fp32" else 2
+    scale = []
+    for r, G, seconds in measured:
+        counts = [float(r)] * G
+        t = gemm_cost.expert_ffn_time(profile, precision, counts, dim, hidden_dim)
+        # the GEMMs' arithmetic alone: the per-call and per-group host costs are measured
+        calls = gemm_cost.EXPERT_FFN_GROUPED_CALLS * (profile.gemm_call_s
+                                                      + profile.per_group_s * G)
+        gemm = t.total_s - calls
+        S = float(r * G)
+        ew = sum(gemm_cost.ffn_elementwise_bytes(S, S, dim, hidden_dim, True, act_b))
+        alloc_f, alloc_b = gemm_cost.ffn_fresh_allocations(S, S, dim, hidden_dim, G, True,
+                                                           act_b)
+        other = calls + ew / profile.elementwise_Bps + gemm_cost.fresh_alloc_time_s(
+            profile, alloc_f + alloc_b)
+        # a measurement below the modelled non-GEMM part is noise; never scale by more than 4x
+        scale.append((float(r), min(4.0, max(0.25, gemm / max(seconds - other, gemm / 4)))))
+    curve_scale = tuple(scale)
+    peak = profile.peak_flops.get(precision, max(profile.peak_flops.values()))
+
+    def rescaled(curve):
+        from torch_moe.distributed._tools.device_profiles import _interp
+
+        return fit_efficiency_curve(
+            [(x, peak * min(1.0, e * _interp(curve_scale, x))) for x, e in curve], peak)
+
+    return dataclasses.replace(
+        profile, gemm_efficiency=rescaled(profile.gemm_efficiency),
+        wgrad_efficiency=rescaled(profile.wgrad_efficiency),
+        sources=profile.sources + (
+            "GEMM curves scaled to grouped_ffn at rows " + ", ".join(
+                f"{int(x)}: {f:.2f}" for x, f in curve_scale),))
 
 
 def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
@@ -274,6 +374,52 @@ def measure_all_to_all(group, small_bytes: int = 1024, large_bytes: int = 4 * _M
     return max(0.0, t_small - slope * b_small), 1.0 / slope
 
 
+def measure_dispatch_row_s(group, profile: DeviceProfile, dim: int, hidden_dim: int,
+                           tokens: int = 2048, reps: int = 5) -> float:
+    """Host seconds per dispatched row of :func:`torch_moe.distributed.dispatch.
+    expert_parallel_moe_ffn` beyond what ``profile`` already prices: forward + backward on a
+    uniform synthetic load (``2 * R`` experts, top-1, ``tokens`` per rank, plain dispatch),
+    the slowest rank's median, minus the cost model's time for it without a router; what is
+    left, over the rows each rank dispatches. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    from torch_moe.distributed._tools.cost_model import MoELayerSpec, MoEStrategy, moe_layer_cost
+    from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
+
+    _check_reps(reps)
+    R = dist.get_world_size(group)
+    E, k = 2 * R, 1
+    rank = dist.get_rank(group)
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(tokens, dim, generator=g).requires_grad_()
+    # every expert gets tokens // 2 of each rank's tokens: a uniform, known load
+    ids = (torch.arange(tokens) % E).view(tokens, 1)
+    weights = torch.rand(tokens, k, generator=g).requires_grad_()
+    w1, w3 = (torch.randn(2, dim, hidden_dim, generator=g).requires_grad_() for _ in range(2))
+    w2 = torch.randn(2, hidden_dim, dim, generator=g).requires_grad_()
+
+    def step():
+        for t in (x, weights, w1, w2, w3):
+            t.grad = None
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        y = expert_parallel_moe_ffn(x, ids, weights, w1, w2, w3, num_experts=E, group=group)
+        y.sum().backward()
+        return time.perf_counter() - t0
+
+    step()
+    slowest = torch.tensor([statistics.median(step() for _ in range(reps))],
+                           dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    spec = MoELayerSpec(dim, hidden_dim, E, k)
+    prec = "fp32" if "fp32" in profile.peak_flops else "bf16"
+    pred = moe_layer_cost(spec, MoEStrategy(ep=R, dispatch="plain", precision=prec),
+                          dataclasses.replace(profile, dispatch_row_s=0.0), tokens,
+                          gpus_per_node=R)
+    residual = slowest.item() - (pred.total_s - pred.router_s)
+    return max(0.0, residual) / (tokens * k)
+
+
 def fit_efficiency_curve(points, peak: float) -> tuple[tuple[float, float], ...]:
     """Turns ``[(rows, FLOP/s)]`` into ``((rows, fraction of peak), ...)`` that the cost model
     accepts: fractions clipped to (0, 1], and measurement noise that would make more rows
@@ -325,7 +471,7 @@ def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False,
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = LOCAL_CPU_NOTES.memory_bytes
-    return DeviceProfile(
+    parts = DeviceProfile(
         name=name,
         peak_flops={"bf16": peak_bf16, "fp32": peak_fp32},
         memory_bytes=float(ram),
@@ -348,6 +494,15 @@ def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False,
                  f"{torch.get_num_threads()} threads, torch {torch.__version__}, GEMMs in "
                  f"{str(bf16_dtype).replace('torch.', '')}",),
     )
+    ffn_rows = (4, 32) if quick else (4, 16, 64, 256, 1024, 4096)
+    ffn_total = 256 if quick else 8192
+    kernel = measure_grouped_ffn_s(ffn_rows, dim, hidden_dim, bf16_dtype, reps, ffn_total)
+    profile = fit_to_grouped_ffn(parts, kernel, dim, hidden_dim,
+                                 "fp32" if bf16_dtype == torch.float32 else "bf16")
+    if group is not None:
+        profile = dataclasses.replace(profile, dispatch_row_s=measure_dispatch_row_s(
+            group, profile, dim, hidden_dim, 256 if quick else 2048, reps))
+    return profile
 
 
 def average_profiles(profiles, name: str | None = None) -> DeviceProfile:

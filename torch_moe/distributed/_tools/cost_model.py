@@ -334,7 +334,6 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     router_b = 2 * router_f
     h_local = (2 if layer.gated else 1) * f_local
     w_elems = (E // ep) * layer.matrices * D * f_local
-    w_grad_bytes = (E // ep) * D * f_local * act_b
     n_fwd = 2 if strategy.recompute == "full" else 1
 
     def rank_work(rank_counts) -> dict:
@@ -358,13 +357,21 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
         ffn_f, ffn_b = gemm_cost.ffn_elementwise_bytes(rows_c, Tc, D, f_local, layer.gated,
                                                        act_b)
         router_bytes = Tc * E * 8 / profile.memory_bandwidth_Bps
+        if group > 1:
+            # the sender gathers its rows into the send buffer (read + write), then reads the
+            # returned rows into an fp32 [T, D] sum; backward gathers the output gradient for
+            # the return trip and scatter-adds the rows' gradients into grad_x
+            sent = Tc * traffic.copies * D * act_b
+            ffn_f += 3 * sent + Tc * D * 4 * 2
+            ffn_b += 3 * sent + Tc * D * 4 * 2
         ew_f = ffn_f / profile.elementwise_Bps + router_bytes
         ew_b = ffn_b / profile.elementwise_Bps + 2 * router_bytes
         # Fresh allocations (page faults on the CPU): forward's hidden and fp32 output
         # accumulator; backward's fp32 grad_x and the weight gradients, new on every call.
-        pf_f = gemm_cost.fresh_alloc_time_s(profile, [rows_c * h_local * act_b, Tc * D * 4])
-        pf_b = gemm_cost.fresh_alloc_time_s(profile,
-                                            [Tc * D * 4] + [w_grad_bytes] * layer.matrices)
+        alloc_f, alloc_b = gemm_cost.ffn_fresh_allocations(rows_c, Tc, D, f_local, E // ep,
+                                                           layer.gated, act_b)
+        pf_f = gemm_cost.fresh_alloc_time_s(profile, alloc_f)
+        pf_b = gemm_cost.fresh_alloc_time_s(profile, alloc_b)
         work = dict(fwd=fwd, bwd=bwd, rec=rec, quant_f=quant_f, quant_b=quant_b, ew_f=ew_f,
                     ew_b=ew_b, pf_f=pf_f, pf_b=pf_b, rows=sum(rank_counts))
         work["key"] = (fwd + quant_f + ew_f + pf_f) * n_fwd + bwd + rec + quant_b \
@@ -405,8 +412,12 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     # backward: the combine's gradient goes out, the rows' (and routing weights') come back
     d_b = a2a(comb_row, "combine_backward")
     q_b = a2a(comb_row + pairs * 4, "dispatch_backward")
-    # fixed host cost of a layer call, split like the FLOPs: a third in forward
+    # fixed host cost of a layer call, split like the FLOPs: a third in forward; with expert
+    # parallelism, the dispatcher's host work per dispatched row, half in each pass
     host_f, host_b = profile.layer_overhead_s / 3, 2 * profile.layer_overhead_s / 3
+    if group > 1:
+        rows_out = Tc * traffic.copies * profile.dispatch_row_s / 2
+        host_f, host_b = host_f + rows_out, host_b + rows_out
     p_f = fwd_e + shared_f + router_f + quant_f + ew_f + pf_f + host_f
     p_b = bwd_e + rec_e + shared_b + router_b + quant_b + ew_b + pf_b + host_b
     if strategy.recompute == "full":

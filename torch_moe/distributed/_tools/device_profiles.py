@@ -118,6 +118,10 @@ class DeviceProfile:
         layer_overhead_s: fixed host cost of one MoE layer forward + backward outside its GEMMs
             and elementwise kernels (router, token sort, op dispatch, autograd); 0 on GPUs,
             where it overlaps with device work.
+        dispatch_row_s: host seconds per row an expert-parallel layer dispatches, beyond its
+            FFN and the wire time: packing, the sender's gathers and combine, and the CPU work
+            of a host transport such as gloo. Measured on the CPU with a process group; 0 for
+            the GPU profiles, where copy engines and kernels do this work (not measured).
         fresh_alloc_threshold_bytes: allocations at or above this size are fresh mappings that
             page-fault on first touch (glibc's 32 MiB mmap ceiling on the CPU); ``inf`` where a
             caching allocator reuses blocks (CUDA / ROCm).
@@ -141,6 +145,7 @@ class DeviceProfile:
     per_group_s: float = 0.0
     elementwise_bandwidth_Bps: float | None = None
     layer_overhead_s: float = 0.0
+    dispatch_row_s: float = 0.0
     fresh_alloc_threshold_bytes: float = math.inf
     page_fault_s_per_byte: float = 0.0
     sources: tuple = ()
@@ -166,7 +171,8 @@ class DeviceProfile:
             raise ValueError(f"{fn}: expected elementwise_bandwidth_Bps > 0 or None, but got "
                              f"{self.elementwise_bandwidth_Bps}")
         for attr in ("intra_node_latency_s", "inter_node_latency_s", "gemm_call_s",
-                     "per_group_s", "layer_overhead_s", "page_fault_s_per_byte"):
+                     "per_group_s", "layer_overhead_s", "dispatch_row_s",
+                     "page_fault_s_per_byte"):
             if not getattr(self, attr) >= 0:
                 raise ValueError(f"{fn}: expected {attr} >= 0, but got {getattr(self, attr)}")
         if isinstance(self.gemm_tile_rows, bool) or not isinstance(self.gemm_tile_rows, int) \

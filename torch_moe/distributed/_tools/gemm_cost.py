@@ -29,6 +29,7 @@ from torch_moe.distributed._tools.device_profiles import PRECISIONS, DeviceProfi
 from torch_moe.quantization._formats import BLOCK_SIZE as MX_BLOCK_SIZE
 
 __all__ = [
+    "EXPERT_FFN_GROUPED_CALLS",
     "ExpertFFNTime",
     "as_counts",
     "gemm_time_s",
@@ -36,6 +37,7 @@ __all__ = [
     "expert_ffn_time",
     "element_bytes",
     "ffn_elementwise_bytes",
+    "ffn_fresh_allocations",
     "scale_bytes",
     "quantize_time_s",
     "fresh_alloc_time_s",
@@ -106,6 +108,10 @@ def grouped_gemm_time_s(profile: DeviceProfile, precision: str, counts, n: int, 
         return 0.0
     body = sum(gemm_time_s(profile, precision, c, n, k, wgrad) for c in groups)
     return profile.gemm_call_s + profile.per_group_s * len(groups) + body
+
+
+# grouped GEMM calls of expert_ffn_time: up, down, two input-gradient and two weight-gradient
+EXPERT_FFN_GROUPED_CALLS = 6
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,19 @@ def ffn_elementwise_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
     bwd = rows * act_bytes * (2 * dim + h + f + 2 * f + 4 * f + f + 2 * h + 2 * dim + dim) \
         + tokens * dim * 4 * 2
     return fwd, bwd
+
+
+def ffn_fresh_allocations(rows: float, tokens: float, dim: int, hidden_dim: int,
+                          num_local_experts: int, gated: bool = True,
+                          act_bytes: int = 2) -> tuple[list[float], list[float]]:
+    """``(forward_sizes, backward_sizes)`` in bytes of the buffers ``grouped_ffn`` allocates
+    anew on every call: forward's ``hidden [S, H]`` and fp32 ``[T, D]`` accumulator; backward's
+    fp32 ``grad_x [T, D]`` and one gradient per weight matrix. Priced by
+    :func:`fresh_alloc_time_s`."""
+    h = 2 * hidden_dim if gated else hidden_dim
+    w_grad = num_local_experts * dim * hidden_dim * act_bytes
+    return ([rows * h * act_bytes, tokens * dim * 4],
+            [tokens * dim * 4] + [w_grad] * (3 if gated else 2))
 
 
 def element_bytes(precision: str) -> int:
