@@ -12,10 +12,11 @@ the per-expert counts the layer actually routed. Memory is the storages autograd
 
 Part 2, dispatch: :func:`expert_parallel_moe_ffn` forward + backward on 2 and 4 gloo processes
 (one compute thread each, so 4 processes share 2 cores), plain and dedup, ids drawn per token
-from a Zipf(s) expert distribution. Each process group calibrates its own profile first, all
-ranks at once (so core sharing and gloo's alpha-beta are in it). Measured: the slowest rank's
-median, each call after a barrier; predicted: ``moe_layer_cost(ep=R)``. Bytes: the dispatcher's
-``bytes_sent`` counter against ``dispatch_bytes``.
+from a Zipf(s) expert distribution. Each process group calibrates its own profile before and
+after its configurations, all ranks at once (so core sharing, gloo's alpha-beta and the
+dispatcher's host work per row are in it), and times them in interleaved rounds. Measured: the
+slowest rank's median, each call after a barrier; predicted: ``moe_layer_cost(ep=R)``. Bytes:
+the dispatcher's ``bytes_sent`` counter against ``dispatch_bytes``.
 
 Error = predicted / measured - 1; the summary gives the median and 90th percentile of its
 absolute value over all configurations. Plots (``--plots``, needs matplotlib: ``pip install
@@ -248,9 +249,9 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    profile = calibrate.calibrate_local(D, F, quick=quick, group=dist.group.WORLD,
-                                        name=f"local-cpu-gloo{world}")
-    rows = []
+    before = calibrate.calibrate_local(D, F, quick=quick, group=dist.group.WORLD)
+
+    runs = []
     for case in cases:
         g = torch.Generator().manual_seed(100 + rank)
         G = case.E // world
@@ -260,31 +261,40 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
         w1, w3 = (torch.randn(G, D, F, generator=g).div_(D ** 0.5).requires_grad_()
                   for _ in range(2))
         w2 = torch.randn(G, F, D, generator=g).div_(F ** 0.5).requires_grad_()
+        runs.append(dict(case=case, tensors=(x, ids, wts, w1, w2, w3), times=[]))
 
-        def step():
-            dist.barrier()
-            t0 = time.perf_counter()
-            y = expert_parallel_moe_ffn(x, ids, wts, w1, w2, w3, num_experts=case.E,
-                                        dedup=case.dedup)
-            y.sum().backward()
-            return time.perf_counter() - t0
+    def step(run) -> float:
+        x, ids, wts, w1, w2, w3 = run["tensors"]
+        for t in (x, wts, w1, w2, w3):
+            t.grad = None
+        reset_dispatch_counters()
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = expert_parallel_moe_ffn(x, ids, wts, w1, w2, w3, num_experts=run["case"].E,
+                                    dedup=run["case"].dedup)
+        y.sum().backward()
+        elapsed = time.perf_counter() - t0
+        run["sent"] = float(read_dispatch_counters()["bytes_sent"])
+        return elapsed
 
-        def reset():
-            for t in (x, wts, w1, w2, w3):
-                t.grad = None
+    # interleaved rounds after a warm-up round, as for the layer
+    for r in range(ROUNDS + 1):
+        for run in runs:
+            t = step(run)
+            if r:
+                run["times"].append(t)
+    profile = calibrate.average_profiles(
+        [before, calibrate.calibrate_local(D, F, quick=quick, group=dist.group.WORLD)],
+        f"local-cpu-gloo{world}")
 
-        reset()
-        first = step()
-        times = []
-        for _ in range(_reps(first)):
-            reset()
-            reset_dispatch_counters()
-            times.append(step())
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    rows = []
+    for run in runs:
+        case, ids = run["case"], run["tensors"][1]
+        slowest = torch.tensor([statistics.median(run["times"])], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         counts = torch.bincount(ids.flatten(), minlength=case.E).double()
         dist.all_reduce(counts)
-        sent = torch.tensor([float(read_dispatch_counters()["bytes_sent"])], dtype=torch.float64)
+        sent = torch.tensor([run["sent"]], dtype=torch.float64)
         dist.all_reduce(sent)
         if rank == 0:
             pred = moe_layer_cost(
@@ -312,7 +322,8 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
                 page_fault_ms=pred.page_fault_s * 1e3, host_ms=pred.host_s * 1e3,
                 a2a_ms=pred.a2a_s * 1e3, a2a_share=pred.a2a_s / max(pred.total_s, 1e-12),
                 alpha_ms=profile.intra_node_latency_s * 1e3,
-                bandwidth_GBps=profile.intra_node_bandwidth_Bps / 1e9))
+                bandwidth_GBps=profile.intra_node_bandwidth_Bps / 1e9,
+                dispatch_row_us=profile.dispatch_row_s * 1e6))
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
     dist.destroy_process_group()

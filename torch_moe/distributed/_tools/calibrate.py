@@ -186,8 +186,10 @@ def measure_grouped_ffn_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = 
         G = max(1, min(max_groups, total_rows // r))
         S = G * r
         x = torch.randn(S, dim, generator=g, dtype=dtype)
-        w1, w3 = (torch.randn(G, dim, hidden_dim, generator=g, dtype=dtype) for _ in range(2))
-        w2 = torch.randn(G, hidden_dim, dim, generator=g, dtype=dtype)
+        # weights at nn.Linear's scale, so activations have the magnitudes of a real layer
+        w1, w3 = (torch.randn(G, dim, hidden_dim, generator=g, dtype=dtype) / dim ** 0.5
+                  for _ in range(2))
+        w2 = torch.randn(G, hidden_dim, dim, generator=g, dtype=dtype) / hidden_dim ** 0.5
         sorted_ids = torch.arange(S)
         offs = torch.arange(1, G + 1, dtype=torch.int32) * r
         weights = torch.rand(S, 1, generator=g)
@@ -395,8 +397,9 @@ def measure_dispatch_row_s(group, profile: DeviceProfile, dim: int, hidden_dim: 
     # every expert gets tokens // 2 of each rank's tokens: a uniform, known load
     ids = (torch.arange(tokens) % E).view(tokens, 1)
     weights = torch.rand(tokens, k, generator=g).requires_grad_()
-    w1, w3 = (torch.randn(2, dim, hidden_dim, generator=g).requires_grad_() for _ in range(2))
-    w2 = torch.randn(2, hidden_dim, dim, generator=g).requires_grad_()
+    w1, w3 = (torch.randn(2, dim, hidden_dim, generator=g).div_(dim ** 0.5).requires_grad_()
+              for _ in range(2))
+    w2 = torch.randn(2, hidden_dim, dim, generator=g).div_(hidden_dim ** 0.5).requires_grad_()
 
     def step():
         for t in (x, weights, w1, w2, w3):
