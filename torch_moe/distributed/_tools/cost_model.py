@@ -168,12 +168,13 @@ class MoELayerCost:
     unless named ``_bytes``.
 
     ``compute_s`` is everything on the compute stream (expert GEMMs, shared experts, router,
-    quantize kernels, memory-bound elementwise kernels, page faults, fixed host work); ``a2a_s`` all token
-    communication; ``total_s`` the pipelined time, so ``exposed_a2a_s = total_s - compute_s``
-    is the communication compute did not hide. ``dispatch_rows`` / ``dispatch_bytes``: rows
-    one rank dispatches per micro-batch (its own copies included, as ``_dispatch_plan``
-    counts them) and their bytes; a dedup row carries ``min(k, E / ep)`` (id, weight) pairs,
-    so with a very narrow ``D`` dedup can move more bytes than plain in fewer rows.
+    quantize kernels, memory-bound elementwise kernels, page faults, fixed host work);
+    ``a2a_s`` all token communication; ``total_s`` the pipelined time, so ``exposed_a2a_s =
+    total_s - compute_s`` is the communication compute did not hide. ``dispatch_rows`` /
+    ``dispatch_bytes``: rows one rank dispatches per micro-batch (its own copies included, as
+    ``_dispatch_plan`` counts them) and their bytes; a dedup row carries ``min(k, E / ep)``
+    (id, weight) pairs, so with a very narrow ``D`` dedup can move more bytes than plain in
+    fewer rows.
     """
 
     expert_gemm_s: float
@@ -441,7 +442,8 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
                                            dispatched=group > 1, act_bytes=act_b)
     return MoELayerCost(
         expert_gemm_s=expert_gemm, shared_gemm_s=shared, router_s=router, quant_s=quant,
-        elementwise_s=elementwise, page_fault_s=page_fault, host_s=host, a2a_s=a2a_total, total_s=total,
+        elementwise_s=elementwise, page_fault_s=page_fault, host_s=host, a2a_s=a2a_total,
+        total_s=total,
         dispatch_rows=T * traffic.copies, dispatch_bytes=T * traffic.copies * disp_row,
         rows=rows, imbalance=imbalance,
         activation_bytes=act)
