@@ -218,7 +218,8 @@ def fit_to_grouped_ffn(profile: DeviceProfile, measured, dim: int, hidden_dim: i
 
     The part-wise benchmarks time each GEMM shape in a tight loop of its own; inside the kernel
     the GEMMs alternate with gathers, activations and scatter-adds that evict their operands,
-    and run a little slower. With the model's own elementwise, host and page-fault terms taken
+    and run at another rate (0.7 to 1.05 of the isolated one across runs on the development
+    machine; more than 1 on one thread). With the model's own elementwise, host and page-fault terms taken
     out of the measured time, what is left is the kernel's GEMM time; the ratio to the modelled
     GEMM time scales both curves at that row count (interpolated in between, clamped at the
     ends), keeping the forward / weight-gradient ratio the part-wise benchmarks saw. The peak
@@ -267,9 +268,8 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     :func:`~torch_moe.distributed._tools.gemm_cost.ffn_elementwise_bytes` counts for them:
     the same ATen calls on buffers of the same shapes, without the GEMMs."""
     from torch_moe._native.activation import activation_backward, activation_forward
-    from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
-
     from torch_moe._native.cpu import _BLOCK_ROWS as block
+    from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
 
     _check_reps(reps)
     D, F, n = dim, hidden_dim, rows
