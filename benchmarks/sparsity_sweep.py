@@ -99,20 +99,6 @@ QUICK_LAYER = [LayerCase(8, 2, 512, 0.0), LayerCase(64, 8, 256, 1.2), LayerCase(
 QUICK_DISPATCH = [DispatchCase(2, 8, 2, 512, 0.0, False), DispatchCase(2, 16, 4, 512, 1.2, True)]
 
 
-def _median_time(fn) -> float:
-    """Median seconds of ``fn`` after a warm-up call; fewer repetitions for slow calls."""
-    t0 = time.perf_counter()
-    fn()  # warm-up, and the size of the call
-    first = time.perf_counter() - t0
-    reps = 3 if first > 2.0 else 5 if first > 0.3 else 9
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------------------------------------
 # Part 1: the layer
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +197,8 @@ def measure_grouped_mm(case: LayerCase, counts: list[float], profile) -> dict:
     a = torch.randn(S, D)
     w = torch.randn(case.E, D, F)
     offs = torch.tensor(rows, dtype=torch.int64).cumsum(0).to(torch.int32)
-    measured = _median_time(lambda: torch.ops.torch_moe.grouped_mm(a, w, offs))
+    # the same timing as the calibration's GEMM points: one warm-up, median of 9
+    measured = calibrate._median_s(lambda: torch.ops.torch_moe.grouped_mm(a, w, offs), 9)
     predicted = gemm_cost.grouped_gemm_time_s(profile, "fp32", rows, F, D)
     flops = 2.0 * S * D * F
     used = sum(1 for r in rows if r)
