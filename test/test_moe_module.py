@@ -6,7 +6,13 @@ import math
 
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from torch.testing._internal.common_utils import IS_CI, TestCase, run_tests
+from torch.testing._internal.common_utils import (
+    IS_CI,
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 
 from torch_moe import _refs
 from torch_moe.nn import MoE, MoEConfig
@@ -104,6 +110,11 @@ class TestRouting(TestCase):
         self.assertEqual(weights, scores[:, 2:3])
 
 
+def _task_loss(y):
+    # a loss that is not a plain sum, so that its gradient differs from token to token
+    return (y * torch.linspace(-1.0, 2.0, y.size(-1), dtype=y.dtype)).square().mean()
+
+
 class TestAuxLosses(TestCase):
     def test_load_balancing_loss_uniform_is_one(self):
         # 4 tokens, 2 experts, k=1, perfectly balanced and uniform probabilities
@@ -152,6 +163,78 @@ class TestAuxLosses(TestCase):
                    + 0.01 * F_moe.router_z_loss(logits))
             (y.sum() + aux).backward()
         self.assertEqual(got, moe.router.weight.grad)
+
+    _AUX_COEFFS = {"load_balance": "load_balance_coeff", "seq_balance": "seq_balance_coeff",
+                   "z_loss": "z_loss_coeff"}
+
+    def _explicit_router_grad(self, moe, x, aux, coeff, loss_scale):
+        # the reference: loss_scale * (loss + coeff * aux) built by hand from the submodules
+        x_TD = x.view(-1, 8)
+        ids, w, scores, logits = moe.router(x_TD)
+        s, offs, _ = torch.ops.torch_moe.token_sort(ids, 8)
+        y = moe.experts(x_TD, s, offs, w).view(x.shape)
+        aux_value = {
+            "load_balance": lambda: F_moe.load_balancing_loss(scores, ids, 8),
+            "seq_balance": lambda: F_moe.sequence_balance_loss(scores, ids, 8, x.size(1)),
+            "z_loss": lambda: F_moe.router_z_loss(logits),
+        }[aux]()
+        moe.zero_grad()
+        (loss_scale * (_task_loss(y) + coeff * aux_value)).backward()
+        return moe.router.weight.grad.clone()
+
+    @parametrize("aux", ["load_balance", "seq_balance", "z_loss"])
+    @parametrize("mechanism", ["attached", "attached_tensor_scale", "returned"])
+    def test_aux_loss_under_loss_scaling_is_the_explicit_sum(self, aux, mechanism):
+        # (scale * loss).backward(), as a GradScaler does: the aux loss must act as if it were
+        # added to the loss before scaling, or it is `scale` times too weak after unscaling
+        loss_scale, coeff = 1024.0, 0.1
+        moe = _moe(**{self._AUX_COEFFS[aux]: coeff})
+        x = torch.randn(2, 5, 8, dtype=torch.float64)
+        expected = self._explicit_router_grad(moe, x, aux, coeff, loss_scale)
+        moe.zero_grad()
+        if mechanism == "returned":
+            y, aux_loss = moe(x, return_aux_loss=True)
+            (loss_scale * (_task_loss(y) + aux_loss)).backward()
+        else:
+            moe.aux_loss_scale = (loss_scale if mechanism == "attached"
+                                  else torch.tensor(loss_scale, dtype=torch.float64))
+            (loss_scale * _task_loss(moe(x))).backward()
+        self.assertEqual(moe.router.weight.grad, expected, atol=1e-9, rtol=1e-9)
+
+    def test_returned_aux_loss_with_grad_scaler(self):
+        # the returned aux loss goes through torch.amp.GradScaler like any other loss term
+        kw = dict(load_balance_coeff=0.1, seq_balance_coeff=0.05, z_loss_coeff=0.01)
+        moe = _moe(**kw)
+        x = torch.randn(2, 5, 8, dtype=torch.float64)
+        y, aux_loss = moe(x, return_aux_loss=True)
+        (_task_loss(y) + aux_loss).backward()
+        expected = moe.router.weight.grad.clone()
+        moe.zero_grad()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
+        y, aux_loss = moe(x, return_aux_loss=True)
+        scaler.scale(_task_loss(y) + aux_loss).backward()
+        scaler.unscale_(optimizer)
+        self.assertEqual(moe.router.weight.grad, expected, atol=1e-9, rtol=1e-9)
+
+    def test_returned_aux_loss_is_not_attached(self):
+        moe = _moe(load_balance_coeff=0.1)
+        x = torch.randn(6, 8, dtype=torch.float64)
+        y, aux_loss = moe(x, return_aux_loss=True)
+        y.sum().backward()  # without the aux loss in the loss, it contributes nothing
+        got = moe.router.weight.grad.clone()
+        moe.zero_grad()
+        moe.eval()
+        moe(x).sum().backward()
+        self.assertEqual(got, moe.router.weight.grad)
+        self.assertEqual(aux_loss.shape, ())
+
+    def test_returned_aux_loss_is_zero_without_aux_losses_or_in_eval(self):
+        x = torch.randn(6, 8, dtype=torch.float64)
+        _, aux_loss = _moe()(x, return_aux_loss=True)
+        self.assertEqual(aux_loss, torch.zeros((), dtype=torch.float32))
+        _, aux_loss = _moe(z_loss_coeff=0.1).eval()(x, return_aux_loss=True)
+        self.assertEqual(aux_loss, torch.zeros((), dtype=torch.float32))
 
     def test_losses_are_logged(self):
         moe = _moe(load_balance_coeff=0.1, z_loss_coeff=0.01)
@@ -275,6 +358,8 @@ class TestCompile(TestCase):
         y.sum().backward()
         self.assertEqual(got, (y.detach(), x.grad, moe.router.weight.grad))
 
+
+instantiate_parametrized_tests(TestAuxLosses)
 
 if __name__ == "__main__":
     run_tests()

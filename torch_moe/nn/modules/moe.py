@@ -307,22 +307,31 @@ def _is_dtensor(x: Tensor) -> bool:
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Returns ``y`` unchanged; in backward, gives ``aux_loss`` the gradient ``scale``.
+    """Returns ``y`` unchanged; in backward, gives ``aux_loss`` the gradient ``loss_scale``.
 
     This adds an auxiliary loss to the training objective without returning it: the loss's
     gradient flows whenever ``y``'s does, once per micro-batch, which is what gradient
     accumulation needs, and nothing escapes the graph, which is what ``torch.compile`` needs.
+
+    The gradient cannot be derived from ``grad_y``: ``2 * y.sum()`` and ``y.sum()`` scaled by 2
+    send ``y`` the same gradient, yet the aux loss of the second one must get twice the
+    gradient. So the caller states the factor its loss is multiplied by, ``loss_scale`` (a
+    float, or a 0-dim tensor read when backward runs).
     """
 
     @staticmethod
-    def forward(ctx, y, aux_loss, scale):
-        ctx.scale = scale
+    def forward(ctx, y, aux_loss, loss_scale):
+        ctx.loss_scale = loss_scale
         ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad_y):
-        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
+        scale = ctx.loss_scale
+        if isinstance(scale, Tensor):
+            grad_aux = scale.to(device=grad_y.device, dtype=ctx.aux_dtype).expand(ctx.aux_shape)
+        else:
+            grad_aux = torch.full(ctx.aux_shape, scale, dtype=ctx.aux_dtype, device=grad_y.device)
         return grad_y, grad_aux, None
 
 
@@ -331,10 +340,22 @@ class MoE(nn.Module):
     Qwen3-MoE, DeepSeek-V3, gpt-oss and torchtitan.
 
     ``forward(x)`` takes ``[B, L, D]`` or ``[T, D]`` and returns the same shape. Auxiliary losses
-    (with non-zero coefficients) are attached to the output's backward: they need not be
-    returned or added to the loss. Their last values are in :attr:`aux_losses` (detached, for
-    logging). Set :attr:`aux_loss_scale` to ``1 / num_microbatches`` when the training loss is
-    divided that way.
+    (with non-zero coefficients) reach the training objective in one of two ways:
+
+    * attached (the default): their coefficient-weighted sum is attached to the output's
+      backward, so it need not be returned or added to the loss. It receives the gradient
+      :attr:`aux_loss_scale` (1.0), whatever gradient the output receives: autograd cannot
+      see how the caller's loss scales the output. Set :attr:`aux_loss_scale` to the factor
+      the loss is multiplied by before ``backward()``: ``1 / num_microbatches`` under gradient
+      accumulation, times the current scale of a ``torch.amp.GradScaler``. A 0-dim tensor is
+      read when backward runs. Left at 1.0 under a loss scale of 1024, the aux losses would be
+      1024 times too weak after unscaling.
+    * returned: ``y, aux_loss = moe(x, return_aux_loss=True)`` attaches nothing and returns
+      the weighted sum (a 0-dim fp32 tensor, zero in eval or without aux losses) for the caller
+      to add to its loss, ``loss = task_loss + aux_loss``: exactly a loss term, under any loss
+      scaling or weighting.
+
+    Their last values are in :attr:`aux_losses` (detached, for logging).
 
     Buffers: ``tokens_per_expert [E]`` (int64) accumulates the routed assignments of every
     training forward since the last :meth:`update_expert_bias` or :meth:`reset_load_stats`;
@@ -369,28 +390,43 @@ class MoE(nn.Module):
             return None
         return math.ceil(c.capacity_factor * num_tokens * c.top_k / c.num_experts)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, return_aux_loss: bool = False):
+        """``y`` of the shape of ``x``, or ``(y, aux_loss [])`` with ``return_aux_loss``."""
         c = self.config
         if x.dim() not in (2, 3) or x.size(-1) != c.dim:
             raise ValueError(f"MoE: expected input [B, L, {c.dim}] or [T, {c.dim}], but got "
                              f"{tuple(x.shape)}")
         if _is_dtensor(x):
+            if return_aux_loss:
+                raise NotImplementedError("MoE: expected return_aux_loss=False for a DTensor input "
+                                          "(its aux losses are attached per shard), but got True")
             # every rank routes its own tokens (torch_moe.distributed.tensor._token_parallel)
             from torch_moe.distributed.tensor._token_parallel import moe_layer_forward
 
             return moe_layer_forward(self, x)
         seq_len = x.size(1) if x.dim() == 3 else x.size(0)
         x_TD = x.reshape(-1, c.dim)
-        y, counts, dropped = self.routed_forward(x_TD, seq_len)
+        y, counts, dropped, aux_loss = self._routed(x_TD, seq_len)
         self.record_load(counts, dropped)
+        if not return_aux_loss:
+            y = self._attach_aux_loss(y, aux_loss)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_TD)
-        return y.to(x.dtype).view(x.shape)
+        y = y.to(x.dtype).view(x.shape)
+        if not return_aux_loss:
+            return y
+        return y, aux_loss if aux_loss is not None else x.new_zeros((), dtype=torch.float32)
 
     def routed_forward(self, x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """Router, token sort and routed experts on ``x [T, D]`` (no shared experts); attaches
         the auxiliary losses in training. Returns ``(y [T, D], tokens_per_expert [E] int64,
         num_dropped [] int64 or None)``; :meth:`record_load` adds the last two to the buffers."""
+        y, counts, dropped, aux_loss = self._routed(x_TD, seq_len)
+        return self._attach_aux_loss(y, aux_loss), counts, dropped
+
+    def _routed(self, x_TD: Tensor, seq_len: int):
+        """:meth:`routed_forward` without attaching: also returns the weighted sum of the aux
+        losses (None in eval or without aux losses)."""
         c = self.config
         topk_ids, topk_weights, scores, logits = self.router(x_TD)
         capacity = self.capacity(x_TD.size(0))
@@ -415,9 +451,8 @@ class MoE(nn.Module):
                 sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
                     topk_ids, topk_weights, c.num_experts, capacity, align)
             y = self.experts(x_TD, sorted_ids, offs, topk_weights)
-        if self.training:
-            y = self._attach_aux_losses(y, scores, topk_ids, logits, seq_len)
-        return y, counts, dropped
+        aux_loss = self._aux_loss(scores, topk_ids, logits, seq_len) if self.training else None
+        return y, counts, dropped, aux_loss
 
     @torch.no_grad()
     def record_load(self, counts: Tensor, dropped: Optional[Tensor]) -> None:
@@ -426,7 +461,9 @@ class MoE(nn.Module):
             if dropped is not None:
                 self.num_dropped.add_(dropped)
 
-    def _attach_aux_losses(self, y, scores, topk_ids, logits, seq_len):
+    def _aux_loss(self, scores, topk_ids, logits, seq_len) -> Optional[Tensor]:
+        """The coefficient-weighted sum of the enabled aux losses (None if none is enabled);
+        logs each one in :attr:`aux_losses`."""
         c = self.config
         losses = {}
         if c.load_balance_coeff > 0:
@@ -439,9 +476,13 @@ class MoE(nn.Module):
             losses["z_loss"] = (c.z_loss_coeff, F_moe.router_z_loss(logits))
         self.aux_losses = {name: loss.detach() for name, (_, loss) in losses.items()}
         if not losses:
+            return None
+        return sum(coeff * loss for coeff, loss in losses.values())
+
+    def _attach_aux_loss(self, y: Tensor, aux_loss: Optional[Tensor]) -> Tensor:
+        if aux_loss is None:
             return y
-        total = sum(coeff * loss for coeff, loss in losses.values())
-        return _AttachAuxLoss.apply(y, total, self.aux_loss_scale)
+        return _AttachAuxLoss.apply(y, aux_loss, self.aux_loss_scale)
 
     @torch.no_grad()
     def update_expert_bias(self) -> Tensor:
