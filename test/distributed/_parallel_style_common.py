@@ -33,11 +33,17 @@ def global_tokens(num_ranks: int, dim: int = 8):
     return xs, gs
 
 
-def compare_with_layer(test, model, ref, tokens_of, token_ids, grad_sum_group):
+def compare_with_layer(test, model, ref, tokens_of, token_ids, dp_group):
     """Runs ``model`` on this rank's tokens ``tokens_of(rank)`` and ``ref`` on the token sets
-    ``token_ids`` (concatenated); compares output, x.grad and every parameter gradient. Expert
-    gradients must be DTensors placed like their weights and are whole after ``full_tensor()``;
-    the others are this rank's share, summed over ``grad_sum_group`` (None: already whole)."""
+    ``token_ids`` (concatenated); compares output, x.grad and every parameter gradient.
+
+    Parameter gradients follow the data-parallel convention of DDP and FSDP: each rank
+    backpropagates the loss of its own tokens, and a parameter's gradient is the *mean* over
+    the ``N = len(token_ids)`` data-parallel token sets of their gradients, i.e. the unsharded
+    layer's gradient on all of them divided by N. Expert gradients must be DTensors placed like
+    their weights and are that mean after ``full_tensor()``; the other gradients are this
+    rank's own, averaged here over ``dp_group`` as DDP would (None: already averaged by FSDP,
+    or N = 1)."""
     xs, gs = global_tokens(test.world_size)
     me = tokens_of(test.rank)
     x = xs[me].clone().requires_grad_()
@@ -49,6 +55,7 @@ def compare_with_layer(test, model, ref, tokens_of, token_ids, grad_sum_group):
     ref_y.backward(torch.cat([gs[i] for i in token_ids]))
     start = sum(xs[i].size(0) for i in token_ids[: token_ids.index(me)])
     mine = slice(start, start + x.size(0))
+    num_token_sets = len(token_ids)
 
     test.assertEqual(y, ref_y[mine], **TOL)
     test.assertEqual(x.grad, ref_x.grad[mine], **TOL)
@@ -61,7 +68,13 @@ def compare_with_layer(test, model, ref, tokens_of, token_ids, grad_sum_group):
             test.assertIsInstance(grad, DTensor, msg=name)
             test.assertEqual(grad.placements, p.placements, msg=name)
             grad = grad.full_tensor()
-        if id(p) not in experts and grad_sum_group is not None:
+        if id(p) not in experts and dp_group is not None:
             grad = grad.clone()
-            dist.all_reduce(grad, group=grad_sum_group)
-        test.assertEqual(grad, ref_params[name].grad, **TOL, msg=name)
+            dist.all_reduce(grad, group=dp_group)
+            grad = grad / dist.get_world_size(dp_group)
+        expected = ref_params[name].grad / num_token_sets
+        # the ratio makes a gradient off by a data-parallel factor obvious in the failure
+        test.assertEqual(grad, expected, **TOL,
+                         msg=lambda m, name=name, grad=grad, expected=expected:
+                         f"{name}: gradient / reference = "
+                         f"{(grad.norm() / expected.norm()).item():.3f}\n{m}")

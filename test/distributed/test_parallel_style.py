@@ -7,7 +7,8 @@ tests are fast. Every rank builds the same ``MoE`` and the same global tokens, k
 tokens and compares the parallelized layer with the unsharded one on the tokens of all the
 ranks that share its experts: output, token gradient, every expert weight gradient (a DTensor
 placed like its weight, compared after ``full_tensor()``) and the router and shared-expert
-gradients (this rank's share, summed over the ranks).
+gradients (this rank's own, averaged over the ranks), all against the unsharded layer's
+gradients divided by the number of data-parallel token sets: the mean DDP and FSDP take.
 
 * parallelize-time errors: module type, mesh rank, divisibility, already parallelized,
   precision, capacity factor, unknown dispatch options;
@@ -18,6 +19,9 @@ gradients (this rank's share, summed over the ranks).
 * ``ExpertTensorParallel`` on a 2 x 2 ``(ep, tp)`` mesh behind tensor-parallel attention
   (``ColwiseParallel`` / ``RowwiseParallel``);
 * ``TensorParallelExperts`` at TP=4;
+* ``ExpertParallel`` with FSDP2 as the style module documents it, with FSDP's default
+  gradient division (and with the gloo recipe's forced SUM reductions), at
+  ``(edp, ep) = 2 x 2, 1 x 4, 2 x 4``;
 * the worked example of the style module on 8 ranks ``(edp, ep, tp) = 2 x 2 x 2``:
   tensor-parallel attention, ``ExpertTensorParallel`` and FSDP2 (``fully_shard`` of the
   experts over ``edp`` on a dim EP and TP leave whole, of the block over ``edp x ep``).
@@ -174,8 +178,8 @@ class TestParallelStyle(DTensorOpTestBase):
     # numerics against the unsharded layer
     # -----------------------------------------------------------------------------------------
 
-    def _compare(self, model, ref, tokens_of, token_ids, grad_sum_group):
-        compare_with_layer(self, model, ref, tokens_of, token_ids, grad_sum_group)
+    def _compare(self, model, ref, tokens_of, token_ids, dp_group):
+        compare_with_layer(self, model, ref, tokens_of, token_ids, dp_group)
 
     def test_expert_parallel_matches_moe(self):
         for ep, activation, shared in ((4, "swiglu", 1), (2, "gelu", 0), (2, "swiglu_oai", 1)):
@@ -232,6 +236,31 @@ class TestParallelStyle(DTensorOpTestBase):
         self._compare(model, ref, lambda r: r // 2, [r // 2 for r in ep_ranks],
                       mesh["ep"].get_group())
 
+    def _fsdp_expert_parallel(self, edp: int, ep: int, force_sum: bool):
+        """The documented recipe without tensor parallelism, with FSDP's default gradient
+        division: experts on ``mesh["ep"]``, sharded once more over ``edp`` on dim 1, the rest
+        of the layer over the flattened ``edp x ep`` mesh. All ranks hold different tokens."""
+        mesh = init_device_mesh("cpu", (edp, ep), mesh_dim_names=("edp", "ep"))
+        dp_mesh = mesh["edp", "ep"]._flatten("dp")
+        moe = make_moe(num_shared_experts=1)
+        ref = copy.deepcopy(moe)
+        parallelize_module(moe, mesh["ep"], ExpertParallel())
+        fully_shard(moe.experts, mesh=mesh["edp"], shard_placement_fn=lambda p: Shard(1))
+        fully_shard(moe, mesh=dp_mesh)
+        if force_sum:  # the gloo recipe: SUM collectives, FSDP's own division kept
+            for m in (moe, moe.experts):
+                m.set_force_sum_reduction_for_comms(True)
+        self._compare(moe, ref, lambda r: r, list(range(edp * ep)), None)
+
+    def test_expert_parallel_fsdp2_default_divide_factor(self):
+        # FSDP divides the expert gradients by edp and the others by edp * ep; the expert
+        # gradients must still be the mean over all edp * ep token sets, not ep times it
+        for edp, ep in ((2, 2), (1, 4)):
+            for force_sum in (False, True):
+                with self.subTest(edp=edp, ep=ep, force_sum=force_sum):
+                    reset_dispatch_counters()
+                    self._fsdp_expert_parallel(edp, ep, force_sum)
+
     def test_tensor_parallel_experts_matches_moe(self):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
         moe = make_moe(num_shared_experts=1)
@@ -254,6 +283,7 @@ class TestParallelStyleWorkedExample(DTensorOpTestBase):
         return "cpu"
 
     _compare = TestParallelStyle._compare
+    _fsdp_expert_parallel = TestParallelStyle._fsdp_expert_parallel
 
     def test_fsdp2_tp_attention_expert_tensor_parallel(self):
         # ranks (edp, ep, tp) = 2 x 2 x 2; tokens differ along edp and ep (dp index r // 2)
@@ -269,16 +299,18 @@ class TestParallelStyleWorkedExample(DTensorOpTestBase):
         fully_shard(experts, mesh=mesh["edp"],
                     shard_placement_fn=lambda p: Shard(2 if p is experts.w2 else 1))
         fully_shard(model, mesh=dp_mesh)
-        for m in (model, experts):
-            # sum, not mean, over data parallel ranks, as the reference does; with SUM
-            # collectives only, the ones the threaded and gloo process groups have
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+        # FSDP's default gradient division: every gradient is the mean over the four
+        # data-parallel token sets
         self.assertEqual(experts.w1.placements, (Shard(1), Shard(0), Shard(2)))
         self.assertEqual(experts.w2.placements, (Shard(2), Shard(0), Shard(1)))
         self.assertEqual(experts.w1.device_mesh.mesh_dim_names, ("edp", "ep", "tp"))
         # every gradient is reduced by FSDP: whole after full_tensor()
         self._compare(model, ref, lambda r: r // 2, [0, 1, 2, 3], None)
+
+    def test_expert_parallel_fsdp2_2x4_default_divide_factor(self):
+        # ep = 4 with two FSDP shards of every expert
+        reset_dispatch_counters()
+        self._fsdp_expert_parallel(2, 4, force_sum=False)
 
 
 if __name__ == "__main__":

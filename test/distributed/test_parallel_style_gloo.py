@@ -6,7 +6,9 @@ Every rank builds the same ``MoE`` and the same global tokens from fixed seeds, 
 tokens, runs the parallelized layer and compares, in fp32 and within 1e-6, with the unsharded
 layer on the tokens of every rank: the output and ``x.grad`` of its tokens, each expert weight
 gradient (a DTensor placed like its weight, compared after ``full_tensor()``) and the router
-and shared-expert gradients (each rank's share, summed with an all-reduce).
+and shared-expert gradients (each rank's own, averaged with an all-reduce), against the
+unsharded layer's gradients divided by the number of data-parallel token sets, the mean that
+DDP and FSDP take.
 
 Each test costs a process spawn plus a gloo rendezvous (about 7-9 s on 2 CPU cores), so there
 are four:
@@ -67,10 +69,10 @@ class _GlooBase(DTensorTestBase):
     def device_type(self) -> str:
         return "cpu"
 
-    def check(self, moe, ref, tokens_of, token_ranks, grad_sum_group):
-        # the non-expert gradients are this rank's share: sum them over the world by default
+    def check(self, moe, ref, tokens_of, token_ranks, dp_group):
+        # the non-expert gradients are this rank's own: average them over the world by default
         compare_with_layer(self, moe, ref, tokens_of, token_ranks,
-                           grad_sum_group if grad_sum_group is not None else dist.group.WORLD)
+                           dp_group if dp_group is not None else dist.group.WORLD)
 
 
 @unittest.skipIf(not HAS_GLOO, "torch.distributed with the gloo backend is not available")
@@ -123,16 +125,15 @@ class TestParallelStyleGloo4(_GlooBase):
         ref = copy.deepcopy(moe)
         parallelize_module(moe, mesh["ep"], ExpertParallel())
         fully_shard(moe.experts, mesh=mesh["edp"], shard_placement_fn=lambda p: Shard(1))
-        # sum, not mean, over edp: the reference sums over the tokens of all ranks. A custom
-        # factor is a PREMUL_SUM reduce-scatter, which gloo lacks: scale apart, reduce with SUM
-        moe.experts.set_gradient_divide_factor(1.0)
+        # FSDP's default division (by edp), as a SUM reduce-scatter and a division apart: gloo
+        # has no AVG reduce-scatter
         moe.experts.set_force_sum_reduction_for_comms(True)
         for name in ("w1", "w2", "w3"):
             w = getattr(moe.experts, name)
             self.assertEqual(w.placements, (Shard(1), Shard(0)), msg=name)
             self.assertEqual(w.device_mesh.mesh_dim_names, ("edp", "ep"), msg=name)
             self.assertEqual(w.full_tensor(), getattr(ref.experts, name), atol=0, rtol=0)
-        # the router and shared experts are data parallel over all four ranks
+        # the router and shared experts are data parallel over all four ranks, averaged here
         self.check(moe, ref, lambda r: r, [0, 1, 2, 3], None)
 
 

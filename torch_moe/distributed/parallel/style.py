@@ -21,10 +21,17 @@ their outputs. The style distributes the expert weights as DTensors and installs
 sorted order). The forward runs on the local shards (``DTensor.to_local()``), so every weight
 gradient is a DTensor placed like its weight.
 
-The ``ep`` ranks hold different tokens, so they are data parallel for the plain parameters
-(router, shared experts): each rank's gradient is the share of its tokens, to be summed by the
-data-parallel wrapper (``fully_shard`` / DDP) over a mesh that includes ``ep``. Over ``tp``
-the plain parameters see the same tokens and get the same, whole gradients. The counts
+The ``ep`` ranks hold different tokens: they are data parallel, and gradients follow the
+data-parallel convention of DDP and FSDP, the mean over the token sets of the data-parallel
+ranks. For the plain parameters (router, shared experts) each rank's gradient is that of its
+own tokens, to be averaged by the data-parallel wrapper (``fully_shard`` / DDP, with their
+default gradient division) over a mesh that includes ``ep``. An expert shard receives in the
+backward the contributions of the tokens of every ``ep`` rank, summed by the all-to-all; the
+expert-parallel styles scale its gradient by ``1 / ep``, so that it is already the mean over
+the ``ep`` token sets and a wrapper over the remaining data-parallel ranks (``edp``, which
+FSDP divides by) completes the mean over all of them. Without a wrapper, the expert gradients
+are the mean over the ``ep`` ranks' tokens. Over ``tp`` the plain parameters see the same
+tokens and get the same, whole gradients. The counts
 ``MoE.tokens_per_expert`` are those of this rank's tokens. A DTensor input is not supported
 (it would take the token-parallel path of :mod:`torch_moe.distributed.tensor`, which rejects
 these placements): pass each rank's local tokens.
@@ -75,9 +82,11 @@ flattened ``edp x ep`` mesh (``test/distributed/test_parallel_style.py`` runs th
 Without tensor parallelism the mesh is ``(edp, ep)``, the experts get
 ``parallelize_module(block.moe, mesh["ep"], ExpertParallel())`` and
 ``fully_shard(experts, mesh=mesh["edp"], shard_placement_fn=lambda p: Shard(1))`` (dim 1 of
-every expert weight is whole under EP). On gloo, whose reduce-scatter has no ``PREMUL_SUM``,
-call ``set_force_sum_reduction_for_comms(True)`` on an FSDP module whose gradient divide
-factor is set.
+every expert weight is whole under EP). Keep FSDP's default gradient divide factor (the size
+of each module's reduce-scatter mesh): the styles account for ``ep``. On gloo, whose
+reduce-scatter has no ``AVG`` or ``PREMUL_SUM``, call ``set_force_sum_reduction_for_comms(True)``
+on both FSDP modules (``block`` and ``experts``): the reduction is then a ``SUM`` followed by
+the same division.
 """
 
 from __future__ import annotations
@@ -142,9 +151,37 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
 def _local(w: Optional[Tensor]) -> Optional[Tensor]:
     # to_local() is differentiable: the gradient of the shard lands on the DTensor parameter
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _local_expert_shard(w: Optional[Tensor], ep_degree: int) -> Optional[Tensor]:
+    """The local shard of an expert weight, its gradient averaged over the ``ep_degree`` ranks.
+
+    The dispatcher's backward sums into this shard the gradients from the tokens of all
+    ``ep_degree`` ranks of the group, which are data-parallel ranks: ``ep_degree`` times their
+    mean. A data-parallel wrapper averages the expert gradients only over the ranks that hold
+    the same experts (FSDP over ``edp``), the plain parameters over ``edp x ep``; the factor
+    ``1 / ep_degree`` makes both the mean over every data-parallel rank's tokens.
+    """
+    w = _local(w)
+    if w is None or ep_degree == 1:
+        return w
+    return _ScaleGradient.apply(w, 1.0 / ep_degree)
 
 
 class _ExpertStyle(ParallelStyle):
@@ -242,8 +279,9 @@ class ExpertParallel(_ExpertStyle):
     rank of that expert and gets the expert outputs back, with
     :func:`torch_moe.distributed.dispatch.expert_parallel_moe_ffn` over ``device_mesh``'s
     process group (one host synchronisation per layer call; every EP rank must call the layer
-    the same number of times). The result, and every gradient, equals the unsharded layer's on
-    the tokens of all ranks.
+    the same number of times). The result and the token gradients equal the unsharded layer's
+    on the tokens of all ranks; the expert weight gradients are the mean over the ranks' token
+    sets (the unsharded layer's divided by ``R``), as data parallelism averages.
 
     Keyword Args:
         dispatch_options (dict, optional): extra keyword arguments of
@@ -273,9 +311,11 @@ class ExpertParallel(_ExpertStyle):
     def _run(self, experts, mesh, x, topk_ids, topk_weights):
         c = experts.config
         w1 = experts.w1
+        ep = mesh.size()
         return expert_parallel_moe_ffn(
-            x.to(w1.dtype), topk_ids, topk_weights, _local(w1), _local(experts.w2),
-            _local(experts.w3), num_experts=c.num_experts, group=mesh.get_group(),
+            x.to(w1.dtype), topk_ids, topk_weights, _local_expert_shard(w1, ep),
+            _local_expert_shard(experts.w2, ep), _local_expert_shard(experts.w3, ep),
+            num_experts=c.num_experts, group=mesh.get_group(),
             activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
             **self.dispatch_options,
         )
@@ -323,8 +363,10 @@ class ExpertTensorParallel(_ExpertStyle):
         tp_group = mesh.get_group(1)
         x = _CopyToTensorParallel.apply(x.to(w1.dtype), tp_group)
         topk_weights = _CopyToTensorParallel.apply(topk_weights, tp_group)
+        ep = mesh.size(0)
         partial_y = expert_parallel_moe_ffn(
-            x, topk_ids, topk_weights, _local(w1), _local(experts.w2), _local(experts.w3),
+            x, topk_ids, topk_weights, _local_expert_shard(w1, ep),
+            _local_expert_shard(experts.w2, ep), _local_expert_shard(experts.w3, ep),
             num_experts=c.num_experts, group=mesh.get_group(0), activation=c.activation,
             alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.dispatch_options,
         )
