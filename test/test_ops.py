@@ -8,9 +8,15 @@ from torch.testing._internal.common_device_type import (
     instantiate_device_type_tests,
     ops,
 )
-from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 
-import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
+import torch_moe
+import torch_moe._refs
 from moe_op_db import moe_op_db, make_topk_ids
 
 moe_ops = torch.ops.torch_moe
@@ -197,6 +203,184 @@ class TestTokenSort(TestCase):
         flat = ids.flatten()
         self.assertTrue(torch.equal(s, torch.argsort(flat, stable=True)))
         self.assertTrue(torch.equal(counts, torch.bincount(flat, minlength=16)))
+
+
+class TestPaddingReadsNoRow(TestCase):
+    """Padded slots (-1) and dropped assignments never read or write a real row.
+
+    Every row that only padding could reach holds NaN or Inf (row 0 of the inputs, the weights of
+    an expert whose group holds padding only, the routing weight of a dropped assignment, the
+    gradient rows of outputs that no real slot writes); the results must equal the references,
+    which skip padding, and be finite.
+    """
+
+    NAN, INF = float("nan"), float("inf")
+
+    def assert_finite_equal(self, actual, expected, what):
+        self.assertTrue(torch.isfinite(expected).all(), f"{what}: the reference is not finite")
+        self.assertTrue(torch.isfinite(actual).all(), f"{what}: padding leaked NaN/Inf: {actual}")
+        self.assertEqual(actual, expected, msg=what)
+
+    # permute / unpermute: T = 3, k = 2; slot 0 and slot 5 are padding, assignment 4 is dropped
+    def _routing(self):
+        sorted_ids = torch.tensor([-1, 0, 3, 1, 2, -1, 5])
+        topk_weights = torch.rand(3, 2, dtype=torch.float64)
+        topk_weights.view(-1)[4] = self.NAN  # dropped: read by no slot
+        return sorted_ids, topk_weights
+
+    def test_permute(self):
+        sorted_ids, _ = self._routing()
+        x = torch.randn(3, 4, dtype=torch.float64)
+        x[0] = self.NAN  # read by slot 1 (assignment 0), not by the padded slots 0 and 5
+        expected = torch_moe._refs.permute(x, sorted_ids, 2)
+        out = torch.full((7, 4), self.NAN, dtype=torch.float64)
+        torch_moe.permute(x, sorted_ids, 2, out=out)
+        for got in (moe_ops.permute(x, sorted_ids, 2), out):
+            self.assertEqual(got, expected, equal_nan=True, atol=0, rtol=0)
+            self.assertEqual(got[[0, 5]], torch.zeros(2, 4, dtype=torch.float64), atol=0, rtol=0)
+
+    def test_permute_backward(self):
+        sorted_ids, _ = self._routing()
+        grad = torch.randn(7, 4, dtype=torch.float64)
+        grad[0] = self.NAN  # slot 0 is padding
+        grad[5] = self.INF  # slot 5 is padding
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        (expected,) = torch.autograd.grad(torch_moe._refs.permute(x, sorted_ids, 2), x,
+                                          grad.nan_to_num(0, 0, 0))
+        out = moe_ops.permute_backward(grad, sorted_ids, 2, 3)
+        self.assert_finite_equal(out, expected, "permute_backward")
+
+    def test_unpermute(self):
+        sorted_ids, topk_weights = self._routing()
+        y = torch.randn(7, 4, dtype=torch.float64)
+        y[0] = self.NAN
+        y[5] = self.INF
+        expected = torch_moe._refs.unpermute(y, sorted_ids, topk_weights)
+        self.assert_finite_equal(moe_ops.unpermute(y, sorted_ids, topk_weights), expected,
+                                 "unpermute")
+
+    def test_unpermute_backward(self):
+        sorted_ids, topk_weights = self._routing()
+        y = torch.randn(7, 4, dtype=torch.float64)
+        y[0] = self.NAN
+        y[5] = self.INF
+        grad = torch.randn(3, 4, dtype=torch.float64)
+        grad_y, grad_w = moe_ops.unpermute_backward(grad, y, sorted_ids, topk_weights)
+        # reference: autograd through the loop, with the unread values replaced by finite ones
+        y_ref = y.nan_to_num(0, 0, 0).requires_grad_()
+        w_ref = topk_weights.nan_to_num(0).requires_grad_()
+        exp_y, exp_w = torch.autograd.grad(torch_moe._refs.unpermute(y_ref, sorted_ids, w_ref),
+                                           (y_ref, w_ref), grad)
+        self.assert_finite_equal(grad_y, exp_y, "unpermute_backward grad_y")
+        self.assert_finite_equal(grad_w, exp_w, "unpermute_backward grad_topk_weights")
+
+    # indexed_grouped_mm: S = 10 slots in E = 3 groups; group 1 holds padding only and its weight
+    # is NaN; gather -1 reads no row (input row 0 is NaN and read by no real slot); scatter -1
+    # writes no row (output row 0 is reached by no real slot, its gradient row is NaN)
+    OFFS = (4, 7, 10)
+    GATHER = (1, 2, -1, 3, -1, -1, -1, 4, 5, -1)
+    SCATTER = (1, 2, -1, -1, -1, -1, -1, 3, 4, 5)
+
+    def _indexed_case(self, gather: bool, scatter: bool, weighted: bool):
+        g = torch.Generator().manual_seed(0)
+        K, N, R = 5, 3, 6
+        offs = torch.tensor(self.OFFS, dtype=torch.int32)
+        gather_index = torch.tensor(self.GATHER) if gather else None
+        scatter_index = torch.tensor(self.SCATTER) if scatter else None
+        index = gather_index if gather else torch.arange(10)
+        pad = index < 0
+        if scatter:
+            pad = pad | (scatter_index < 0)
+        input = torch.randn(R if gather else 10, K, generator=g, dtype=torch.float64)
+        if gather:
+            input[0] = self.NAN
+        # rows read only by slots whose output is dropped
+        for i in pad.nonzero().flatten().tolist():
+            if index[i] >= 0:
+                input[index[i]] = self.INF
+        weight = torch.randn(3, K, N, generator=g, dtype=torch.float64)
+        weight[1] = self.NAN
+        sw = torch.rand(10, generator=g, dtype=torch.float64) if weighted else None
+        if weighted:
+            sw[pad] = self.NAN
+        rows = 6 if scatter else -1
+        return input, weight, offs, gather_index, scatter_index, sw, rows, pad
+
+    def _finite(self, t):
+        """A finite copy of an input whose non-finite values only padding could read."""
+        if t is None:
+            return None
+        return t.nan_to_num(0, 0, 0)
+
+    @parametrize("indices", ["gather", "scatter", "gather_scatter"])
+    @parametrize("weighted", [True, False])
+    def test_indexed_grouped_mm(self, indices, weighted):
+        gather, scatter = "gather" in indices, "scatter" in indices
+        input, weight, offs, gi, si, sw, rows, pad = self._indexed_case(gather, scatter, weighted)
+        out = moe_ops.indexed_grouped_mm(input, weight, offs, gi, si, sw, rows)
+        ref_args = [self._finite(input), self._finite(weight), offs, gi, si, self._finite(sw), rows]
+        expected = torch_moe._refs.indexed_grouped_mm(*ref_args)
+        self.assert_finite_equal(out, expected, "indexed_grouped_mm")
+
+        grad = torch.randn_like(expected)
+        if scatter:
+            grad[0] = self.NAN  # output row 0: written by padding only
+        else:
+            grad[pad] = self.NAN
+        grads = moe_ops.indexed_grouped_mm_backward(grad, input, weight, offs, gi, si, sw,
+                                                    [True, True, weighted])
+        leaves = [a.requires_grad_() for a in ref_args[:2]]
+        if weighted:
+            leaves.append(ref_args[5].requires_grad_())
+        expected = torch.autograd.grad(torch_moe._refs.indexed_grouped_mm(*ref_args), leaves,
+                                       grad.nan_to_num(0, 0, 0))
+        for got, exp, name in zip(grads, expected, ("input", "weight", "scatter_weight")):
+            self.assert_finite_equal(got, exp, f"indexed_grouped_mm_backward grad_{name}")
+
+    # grouped_ffn: token 0 is dropped (its slots are -1) and is the only token of expert 0, whose
+    # group then holds padding only; x[0], the weights of expert 0 and grad[0] are NaN
+    @parametrize("fused", [True, False])
+    def test_grouped_ffn(self, fused):
+        g = torch.Generator().manual_seed(0)
+        T, k, E, D, F = 5, 2, 3, 4, 3
+        topk_ids = torch.tensor([[0, 1], [1, 2], [2, 1], [1, 2], [2, 1]])
+        topk_weights = torch.rand(T, k, generator=g, dtype=torch.float64)
+        sorted_ids, offs, _ = moe_ops.token_sort(topk_ids, E, 4)
+        sorted_ids = torch.where(sorted_ids // k == 0, -1, sorted_ids)  # drop token 0
+        x = torch.randn(T, D, generator=g, dtype=torch.float64)
+        w1 = torch.randn(E, D, 2 * F if fused else F, generator=g, dtype=torch.float64)
+        w3 = None if fused else torch.randn(E, D, F, generator=g, dtype=torch.float64)
+        w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64)
+        finite = [t.clone() if t is not None else None for t in (x, topk_weights, w1, w2, w3)]
+        x[0] = self.NAN
+        topk_weights[0] = self.NAN
+        for w in (w1, w2, w3):
+            if w is not None:
+                w[0] = self.NAN
+
+        out, hidden = moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3)
+        leaves = [t[1:].requires_grad_() if i < 2 else t.requires_grad_()
+                  for i, t in enumerate(finite) if t is not None]
+        x_r, tw_r, w1_r, w2_r = leaves[:4]
+        w3_r = leaves[4] if len(leaves) > 4 else None
+        ref = torch_moe._refs.moe_ffn(x_r, topk_ids[1:], tw_r, w1_r, w2_r, w3_r)
+        expected = torch.cat([torch.zeros(1, D, dtype=ref.dtype), ref.detach()])
+        self.assert_finite_equal(out, expected, "grouped_ffn")
+        self.assertTrue(torch.isfinite(hidden).all(), "grouped_ffn: padding leaked into hidden")
+
+        grad = torch.randn(T, D, generator=g, dtype=torch.float64)
+        grad[0] = self.NAN  # token 0 has no slot
+        got = moe_ops.grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3,
+                                           hidden, "swiglu", 1.702, 7.0)
+        exp = torch.autograd.grad(ref, leaves, grad[1:])
+        zero_row = lambda t: torch.cat([torch.zeros_like(t[:1]), t])
+        exp = [zero_row(exp[0]), zero_row(exp[1]), *exp[2:]]
+        names = ("x", "topk_weights", "w1", "w2", "w3")
+        for i, (a, e) in enumerate(zip(got, exp)):
+            self.assert_finite_equal(a, e, f"grouped_ffn_backward grad_{names[i]}")
+
+
+instantiate_parametrized_tests(TestPaddingReadsNoRow)
 
 
 instantiate_device_type_tests(TestMoEOps, globals(), only_for="cpu")

@@ -9,7 +9,8 @@ leak into other tests; and the registrations and patches made below must not eit
   :func:`indexed_grouped_mm`, plain functions of tensors) run on small CPU tensors and are compared
   with the CPU kernels of ``torch_moe::grouped_mm`` / ``torch_moe::indexed_grouped_mm``: empty
   groups, rows past ``offs[-1]``, gathers with -1 padding, scatters with duplicates and -1,
-  scatter weights, strided operands, several tile configurations. fp32 (and fp64) within
+  scatter weights, strided operands, several tile configurations, padding next to NaN and Inf
+  values that it must not read. fp32 (and fp64) within
   summation-order noise of the CPU kernel; bf16 within one bf16 rounding (one ulp) of the CPU
   kernel run on the same values in fp32.
 * Visibility (no interpreter): the triton_ops are captured with ``aot_export_module``, whose graph
@@ -184,6 +185,44 @@ def _check_indexed_grouped_mm() -> None:
         _assert_matches(out, ref, f"_triton_indexed_grouped_mm {dtype}")
 
 
+def _check_indexed_padding_reads_no_row() -> None:
+    """Padded slots (-1) read no input row and no weight: the weights of a group holding padding
+    only are Inf, input row 0 (read by no real slot) is NaN, and so is the scale of every padded
+    slot; the outputs equal the CPU kernel on the same values and are finite."""
+    from torch_moe._triton import grouped_mm as T
+
+    cfg = _configs()
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor((4, 7, 10), dtype=torch.int32)  # group 1: slots 4..6, padding only
+    gather = torch.tensor((1, 2, -1, 3, -1, -1, -1, 4, 5, -1))
+    scatter = torch.tensor((1, 2, 0, -1, 3, 3, 3, 3, 4, -1))
+    x = torch.randn(6, K, generator=g)
+    x[0] = float("nan")
+    x_dropped = x.clone()
+    x_dropped[3] = float("inf")  # read by slot 3 only, whose scattered output is dropped
+    w = torch.randn(E, K, N, generator=g)
+    w[1] = float("inf")
+    scale = torch.rand(10, generator=g)
+    scale[gather < 0] = float("nan")
+    scale_dropped = scale.clone()
+    scale_dropped[scatter < 0] = float("nan")
+    cases = [
+        ("gather", (x, w, offs, gather, None, None, -1), True),
+        ("gather+weight", (x, w, offs, gather, None, scale, -1), True),
+        ("gather+scatter+weight", (x_dropped, w, offs, gather, scatter, scale_dropped, 5), False),
+        ("gather+scatter+weight", (x_dropped, w, offs, gather, scatter, scale_dropped, 5), True),
+    ]
+    for name, args, deterministic in cases:
+        for config in ("small", "default"):
+            with _deterministic() if deterministic else contextlib.nullcontext():
+                out = T.indexed_grouped_mm(*args, config=cfg[config])
+            ref = torch.ops.torch_moe.indexed_grouped_mm(*args)
+            what = f"indexed_grouped_mm padding {name} {config=} {deterministic=}"
+            assert torch.isfinite(ref).all(), (what, ref)
+            assert torch.isfinite(out).all(), (what, out)
+            _assert_matches(out, ref, what)
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs in the subprocess (no interpreter)
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +362,9 @@ class TestTritonGroupedMM(TestCase):
 
     def test_indexed_grouped_mm_interpreted(self):
         self._run("_check_indexed_grouped_mm", interpret=True)
+
+    def test_indexed_padding_reads_no_row_interpreted(self):
+        self._run("_check_indexed_padding_reads_no_row", interpret=True)
 
     def test_graph_capture(self):
         self._run("_check_graph_capture", interpret=False)

@@ -123,6 +123,21 @@ def _inverse_slots(op: str, sorted_ids: torch.Tensor, num_assignments: int):
     return slot, ids.numel() == num_assignments
 
 
+def _zero_rows_(t: torch.Tensor, pad) -> torch.Tensor:
+    """t[i] = 0 where ``pad[i]``, in place. Padded slots are set to zero rather than scaled by
+    zero: a scaled row keeps the NaN or Inf of whatever real row or weight it was computed from."""
+    if pad is not None:
+        t.masked_fill_(pad.unsqueeze(1), 0)
+    return t
+
+
+def _either(a, b):
+    """The union of two optional masks."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a | b
+
+
 def _gemm_operand(t: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return t if t.dtype == cdt else t.to(cdt)
 
@@ -220,9 +235,7 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor, pad, out: torch.Tensor) 
         # no tokens: every slot is padding
         return out.zero_()
     torch.index_select(src, 0, rows, out=out)
-    if pad is not None:
-        out.masked_fill_(pad.unsqueeze(1), 0)
-    return out
+    return _zero_rows_(out, pad)
 
 
 def permute_out_(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, *, out: torch.Tensor):
@@ -242,12 +255,16 @@ def _combine(y: torch.Tensor, slot_TK: torch.Tensor, weight_TK, complete: bool, 
     acc = torch.zeros((T, y.size(1)), dtype=accumulate_dtype(y.dtype), device=y.device)
     if weight_TK is None:
         weight_TK = torch.ones((T, k), dtype=acc.dtype, device=y.device)
+    missing = None
     if not complete:
-        weight_TK = weight_TK * (slot_TK >= 0)
+        # a dropped assignment reads neither a row of y nor its routing weight
+        missing = slot_TK < 0
+        weight_TK = weight_TK.masked_fill(missing, 0)
         slot_TK = slot_TK.clamp(min=0)
     rows = torch.empty((T, y.size(1)), dtype=y.dtype, device=y.device)
     for j in range(k):
         torch.index_select(y, 0, slot_TK[:, j], out=rows)
+        _zero_rows_(rows, missing[:, j] if missing is not None else None)
         acc.addcmul_(rows, weight_TK[:, j : j + 1].to(acc.dtype))
     return acc if acc.dtype == out_dtype else acc.to(out_dtype)
 
@@ -355,13 +372,9 @@ def indexed_grouped_mm(
     bounds, last = _group_bounds(op, offs, S, "the number of sorted slots")
     g_rows, g_pad = _slot_rows(op, "gather_index", gather_index, input.size(0))
     s_rows, s_pad = _slot_rows(op, "scatter_index", scatter_index, max(num_out_rows, 0))
-    sw = None
-    if scatter_weight is not None:
-        sw = scatter_weight.to(cdt)
-    if s_pad is not None:
-        # a padded output slot contributes nothing
-        sw = (sw if sw is not None else torch.ones(S, dtype=cdt, device=input.device))
-        sw = sw.masked_fill(s_pad, 0)
+    # a slot padded on either side gives a zero row (or adds nothing to its clamped output row)
+    pad = _either(g_pad, s_pad)
+    sw = scatter_weight.to(cdt) if scatter_weight is not None else None
     bufs = _Buffers(input.device)
     x_c = _gemm_operand(input, cdt) if gather_index is not None else input
     if scatter_index is not None:
@@ -380,6 +393,7 @@ def indexed_grouped_mm(
         V = torch.mm(X, _gemm_operand(weight[g], cdt), out=bufs.get("v", n, N, cdt))
         if sw is not None:
             V.mul_(sw[s:e].unsqueeze(1))
+        _zero_rows_(V, pad[s:e] if pad is not None else None)
         if scatter_index is not None:
             out_acc.index_add_(0, s_rows[s:e], V if V.dtype == out_acc.dtype else V.to(out_acc.dtype))
         else:
@@ -401,10 +415,9 @@ def indexed_grouped_mm_backward(
     bounds, _ = _group_bounds(op, offs, S, "the number of sorted slots")
     g_rows, g_pad = _slot_rows(op, "gather_index", gather_index, input.size(0))
     s_rows, s_pad = _slot_rows(op, "scatter_index", scatter_index, grad.size(0))
+    # padded slots take no part: their rows of G, X and U are zeroed (not scaled by zero)
+    pad = _either(g_pad, s_pad)
     sw = scatter_weight.to(cdt) if scatter_weight is not None else None
-    if s_pad is not None:
-        sw = (sw if sw is not None else torch.ones(S, dtype=cdt, device=input.device))
-        sw = sw.masked_fill(s_pad, 0)
     bufs = _Buffers(input.device)
     x_c = _gemm_operand(input, cdt) if gather_index is not None else None
     grad_c = _gemm_operand(grad, cdt)
@@ -420,28 +433,33 @@ def indexed_grouped_mm_backward(
     )
     for g, s, e in bounds:
         n = e - s
+        pad_g = pad[s:e] if pad is not None else None
         # G: the output gradient of this group's rows (gathered once per group)
         if scatter_index is not None:
             G = torch.index_select(grad_c, 0, s_rows[s:e], out=bufs.get("g", n, N, cdt))
+        elif pad_g is not None:
+            G = bufs.get("g", n, N, cdt).copy_(grad_c[s:e])
         else:
             G = grad_c[s:e]
+        _zero_rows_(G, pad_g)
         # X: this group's input rows, built once and used by both grad_weight and grad_sw
         if gather_index is not None:
-            X = _gather_rows(x_c, g_rows[s:e], g_pad[s:e] if g_pad is not None else None,
-                             bufs.get("x", n, K, cdt))
+            X = _gather_rows(x_c, g_rows[s:e], pad_g, bufs.get("x", n, K, cdt))
+        elif pad_g is not None:
+            X = _zero_rows_(bufs.get("x", n, K, cdt).copy_(input[s:e]), pad_g)
         else:
             X = _gemm_operand(input[s:e], cdt)
         W = _gemm_operand(weight[g], cdt)
         # U = G @ W^T is the unweighted input gradient; <U_i, X_i> is the weight's gradient.
         if want_input or want_sw:
             U = torch.mm(G, W.t(), out=bufs.get("u", n, K, cdt))
+            _zero_rows_(U, pad_g)
             if grad_sw is not None:
                 grad_sw[s:e] = _rowwise_dot(U, X, acc)
             if want_input:
                 if sw is not None:
                     U.mul_(sw[s:e].unsqueeze(1))
-                if g_pad is not None:
-                    U.masked_fill_(g_pad[s:e].unsqueeze(1), 0)
+                    _zero_rows_(U, pad_g)
                 if gather_index is not None:
                     grad_in_acc.index_add_(0, g_rows[s:e], U if U.dtype == acc else U.to(acc))
                 else:
@@ -449,13 +467,14 @@ def indexed_grouped_mm_backward(
         if want_weight:
             if sw is not None:
                 G = torch.mul(G, sw[s:e].unsqueeze(1), out=bufs.get("gw", n, N, cdt))
+                _zero_rows_(G, pad_g)
             _mm_into(grad_weight[g], X.t(), G, cdt)
     if gather_index is not None:
         grad_in = grad_in_acc if grad_in_acc.dtype == input.dtype else grad_in_acc.to(input.dtype)
     if grad_sw is None:
         grad_sw = input.new_empty((0,))
-    elif s_pad is not None:
-        grad_sw.masked_fill_(s_pad, 0)
+    elif pad is not None:
+        grad_sw.masked_fill_(pad, 0)
     if grad_sw.numel():
         grad_sw = grad_sw.to(scatter_weight.dtype)
     return grad_in, grad_weight, grad_sw
@@ -539,8 +558,8 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     for bs, be, groups in _blocks(bounds):
         n = be - bs
         r = rows[bs:be]
-        X = _gather_rows(x_c, r, pad[bs:be] if pad is not None else None,
-                         bufs.get("x", n, D, cdt))
+        pad_b = pad[bs:be] if pad is not None else None
+        X = _gather_rows(x_c, r, pad_b, bufs.get("x", n, D, cdt))
         h = hidden[bs:be] if hidden.dtype == cdt else bufs.get("h", n, H, cdt)
         for g, s, e in groups:
             w_up, w_up3 = experts.up(g)
@@ -549,6 +568,8 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
             else:
                 torch.mm(X[s - bs : e - bs], w_up, out=h[s - bs : e - bs, :F])
                 torch.mm(X[s - bs : e - bs], w_up3, out=h[s - bs : e - bs, F:])
+        # padded slots store zeros, whatever the weights of their group hold
+        _zero_rows_(h, pad_b)
         if h.dtype != hidden.dtype:
             # store, then continue from the stored (rounded) values so that the backward
             # recomputation sees exactly what the forward used
@@ -559,6 +580,7 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
         for g, s, e in groups:
             torch.mm(act[s - bs : e - bs], experts.down(g), out=o[s - bs : e - bs])
         o.mul_(weight[bs:be].unsqueeze(1))
+        _zero_rows_(o, pad_b)
         out_acc.index_add_(0, r, o if o.dtype == out_acc.dtype else o.to(out_acc.dtype))
     out = out_acc if out_acc.dtype == x.dtype else out_acc.to(x.dtype)
     return out, hidden
@@ -586,14 +608,20 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
         n = be - bs
         r = rows[bs:be]
         w = weight[bs:be].unsqueeze(1)
-        # padded slots have w = 0, so every gradient below is zero on them: no masking needed
-        G = torch.index_select(grad_c, 0, r, out=bufs.get("g", n, D, cdt))
-        h = _gemm_operand(hidden[bs:be], cdt)
+        # Padded slots read no row: their rows of G, X and hidden are zeros, and so are those of
+        # dA and dX, which a NaN or Inf in their group's weights would otherwise fill.
+        pad_b = pad[bs:be] if pad is not None else None
+        G = _gather_rows(grad_c, r, pad_b, bufs.get("g", n, D, cdt))
+        if pad_b is not None:
+            h = _zero_rows_(bufs.get("h", n, H, cdt).copy_(hidden[bs:be]), pad_b)
+        else:
+            h = _gemm_operand(hidden[bs:be], cdt)
         act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
         # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
         dA = bufs.get("da", n, F, cdt)
         for g, s, e in groups:
             torch.mm(G[s - bs : e - bs], experts.down(g).t(), out=dA[s - bs : e - bs])
+        _zero_rows_(dA, pad_b)
         grad_weight_sorted[bs:be] = _rowwise_dot(dA, act, acc)
         # d w2 = (w * act)^T @ G: scale the narrower operand
         act.mul_(w)
@@ -602,7 +630,7 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
                      bufs.get("dw2", F, D, cdt))
         dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha,
                                  limit)
-        X = torch.index_select(x_c, 0, r, out=bufs.get("x", n, D, cdt))
+        X = _gather_rows(x_c, r, pad_b, bufs.get("x", n, D, cdt))
         dX = bufs.get("dx", n, D, cdt)
         for g, s, e in groups:
             Xg, dHg, dXg = X[s - bs : e - bs], dH[s - bs : e - bs], dX[s - bs : e - bs]
@@ -615,6 +643,7 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
                 _mm_into(grad_w3[g], Xg.t(), dHg[:, F:], cdt, bufs.get("dw3", D, F, cdt))
                 torch.mm(dHg[:, :F], w_up.t(), out=dXg)
                 dXg.addmm_(dHg[:, F:], w_up3.t())
+        _zero_rows_(dX, pad_b)
         grad_x.index_add_(0, r, dX if dX.dtype == acc else dX.to(acc))
     if pad is not None:
         grad_weight_sorted.masked_fill_(pad, 0)

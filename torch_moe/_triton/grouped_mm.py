@@ -31,7 +31,8 @@ Value checks (``offs`` non-decreasing with ``offs[-1] <= S``, indices in ``[-1, 
 device asserts, compiled in only when ``TRITON_DEBUG=1`` (checking them otherwise needs a host
 synchronisation). Without them, out-of-range indices are treated as padding and offsets are clamped
 to ``[0, S]``, so invalid input never reads or writes out of bounds; the values of rows covered by
-a decreasing ``offs`` are then unspecified.
+a decreasing ``offs`` are then unspecified. A padded slot (-1) reads no input row and writes no
+output row: a gathered one gives an exact zero row, a scattered one adds nothing.
 
 Every launch goes through :func:`torch.library.wrap_triton` inside a
 :func:`torch.library.triton_op` (``torch_moe::_triton_grouped_mm`` and
@@ -179,6 +180,10 @@ def _grouped_mm_rows_kernel(
         group_end = tl.where(is_group, end_row, first_row)
         scale = tl.load(scale_ptr + rows, mask=rows < group_end, other=0.0)
         acc = acc * scale.to(acc.dtype)[:, None]
+    if HAS_GATHER:
+        # A padded slot's row is zero, not the product of a zero row: that product is NaN when
+        # the group's weights hold an Inf, and so is its scale times zero when the scale is NaN.
+        acc = tl.where(src_ok[:, None], acc, 0.0)
     if HAS_SCATTER:
         dst = tl.load(scatter_ptr + rows, mask=row_ok, other=-1)
         tl.device_assert((dst >= -1) & (dst < num_out_rows), "scatter_index out of range")
