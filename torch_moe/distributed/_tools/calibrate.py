@@ -267,6 +267,7 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     ``rows`` rows (SwiGLU), forward and backward, in the bytes
     :func:`~torch_moe.distributed._tools.gemm_cost.ffn_elementwise_bytes` counts for them:
     the same ATen calls on buffers of the same shapes, without the GEMMs."""
+    from torch_moe._native._cpu_features import accumulate_dtype
     from torch_moe._native.activation import activation_backward, activation_forward
     from torch_moe._native.cpu import _BLOCK_ROWS as block
     from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
@@ -282,7 +283,11 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     X, G, o, dX = (torch.empty(n, D, dtype=dtype) for _ in range(4))
     act, dA = torch.empty(n, F, dtype=dtype), torch.randn(n, F, generator=g, dtype=dtype)
     dH = torch.empty(n, 2 * F, dtype=dtype)
-    acc = torch.zeros(n, D)
+    acc = torch.zeros(n, D, dtype=accumulate_dtype(dtype))
+
+    def add_rows(i, src):
+        # the kernel converts each block to the accumulation dtype before index_add_
+        acc.index_add_(0, i, src if src.dtype == acc.dtype else src.to(acc.dtype))
 
     def run():
         # block by block, as the kernel walks its rows (torch_moe/_native/cpu.py: _BLOCK_ROWS),
@@ -294,7 +299,7 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
             torch.index_select(x, 0, i, out=X[s:e])
             activation_forward("swiglu", hb, act[s:e], 1.702, 7.0)
             o[s:e].copy_(X[s:e]).mul_(wb)  # stands in for the down projection's output
-            acc.index_add_(0, i, o[s:e])
+            add_rows(i, o[s:e])
             # backward
             torch.index_select(grad, 0, i, out=G[s:e])
             activation_forward("swiglu", hb, act[s:e], 1.702, 7.0)
@@ -302,7 +307,7 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
             act[s:e].mul_(wb)
             activation_backward("swiglu", dA[s:e].mul_(wb), hb, dH[s:e], 1.702, 7.0)
             torch.index_select(x, 0, i, out=dX[s:e])
-            acc.index_add_(0, i, dX[s:e])
+            add_rows(i, dX[s:e])
 
     # the stand-in copy_ of the forward is D extra bytes read per row; count it
     fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, torch.finfo(dtype).bits // 8)
