@@ -17,7 +17,10 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.13"],
     extras_require={
-        "test": ["expecttest>=0.3", "hypothesis>=6.100", "pytest>=8"],
+        # torch.testing._internal.common_utils imports NumPy, which the torch wheel leaves out
+        "test": ["expecttest>=0.3", "hypothesis>=6.100", "pytest>=8", "numpy>=1.24"],
+        # torch warns at every import without NumPy; torch_moe and the demo do not need it
+        "demo": ["numpy>=1.24"],
         "triton": ["triton>=3.9"],
         # optional comparison in benchmarks/ops.py; torchtitan pins its own torch, so install it
         # only where that torch is the one you want

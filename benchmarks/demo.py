@@ -269,18 +269,16 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
         start = time.perf_counter()
         logits_BLV = model(batch_BL[:, :-1])
         loss = F.cross_entropy(logits_BLV.flatten(0, 1), batch_BL[:, 1:].flatten())
-        # The objective is the mean of the per-rank losses. Scaling this rank's loss by
-        # 1 / world_size before backward makes every gradient the gradient of that mean: the
-        # expert weights (Shard(0) DTensors) already get the contributions of every rank's
-        # tokens through the all-to-all, so they are used as they are (averaging them again
-        # would divide by world_size twice); the replicated parameters get only this rank's
-        # share, so their gradients are all-reduced with a SUM (which is then the average).
-        (loss / world_size).backward()
+        # The objective is the mean of the per-rank losses. The expert weights (Shard(0)
+        # DTensors) get the contributions of every rank's tokens through the all-to-all, which
+        # ExpertParallel averages over the ranks: their gradients are already those of the
+        # mean. The replicated parameters get only this rank's gradient: average them.
+        loss.backward()
         grads = [p.grad for p in replicated if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)  # sum over the ranks, one collective for all of them
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+            g.copy_(part.view_as(g) / world_size)
         # the routers are replicated and so is their bias: update it from the global counts
         load_NE = _collect_load(layers)
         dist.all_reduce(load_NE)
@@ -303,8 +301,10 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
             losses = torch.tensor(window.losses, dtype=torch.float64)
             dist.all_reduce(losses)  # per step: the sum of the rank losses
             history["losses"].extend((losses / world_size).tolist())
-            per_rank = [None] * world_size
-            dist.all_gather_object(per_rank, (traffic / n).tolist())
+            # a tensor all_gather, not all_gather_object: the object collectives need NumPy
+            gathered = [torch.empty_like(traffic) for _ in range(world_size)]
+            dist.all_gather(gathered, traffic / n)
+            per_rank = [t.tolist() for t in gathered]
             imbalance = window.imbalance()
             history["imbalances"].append(imbalance)
             # the slowest rank sets the pace; the mean of the ranks' times is close to it
