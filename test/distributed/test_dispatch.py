@@ -12,25 +12,37 @@ threads) and compares its slice with the single-process ``moe_ffn``. Real gloo p
 Run: ``python -m pytest test/distributed/test_dispatch.py -q`` from the repo root.
 """
 
+import copy
 import math
 import threading
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_moe  # noqa: F401
 from torch_moe.distributed._dispatch_plan import rank_limited_topk, send_counts
 from torch_moe.distributed.dispatch import (
+    _Layer,
     _order_rows,
     _pack,
+    _Splits,
     expert_parallel_moe_ffn,
     read_dispatch_counters,
     reset_dispatch_counters,
 )
+from torch_moe.distributed.parallel import ExpertParallel
 from torch_moe.nn.functional import moe_ffn
+
+from _parallel_style_common import global_tokens, make_moe
 
 TOL = {"atol": 1e-6, "rtol": 1e-5}
 
@@ -182,20 +194,145 @@ class TestDispatch4Ranks(_Base):
         E, T, k = 8, 4, 2
         x, ids, w, w1, w2, w3 = _global_data(E, 4, 4, T, k, 4)
         rank = dist.get_rank()
-        with self.assertRaisesRegex(ValueError, "disagree on the layer: pairs per row"):
+        with self.assertRaisesRegex(ValueError, r"pass the same dedup, but got True on ranks "
+                                    r"\[0\] and False on ranks \[1, 2, 3\]; the same pairs "
+                                    r"per row W"):
             expert_parallel_moe_ffn(x[:T], ids[:T], w[:T], w1[:2], w2[:2], w3[:2],
                                     num_experts=E, dedup=rank == 0)
         d = 4 if rank == 0 else 3  # ranks 1-3 pass a model dim of 3
-        with self.assertRaisesRegex(ValueError, "disagree on the layer: dim"):
+        with self.assertRaisesRegex(ValueError, r"pass the same x.size\(1\), but got 4 on ranks "
+                                    r"\[0\] and 3 on ranks \[1, 2, 3\]"):
             expert_parallel_moe_ffn(x[:T, :d], ids[:T], w[:T], w1[:2, :d], w2[:2, :, :d],
                                     w3[:2, :d], num_experts=E)
+
+    def _raises_the_same_on_every_rank(self, exc_type, regex, fn):
+        """``fn`` raises ``exc_type`` matching ``regex`` here, with the message of every rank."""
+        with self.assertRaisesRegex(exc_type, regex) as ctx:
+            fn()
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, str(ctx.exception))
+        self.assertEqual(len(set(messages)), 1, msg=messages)
+
+    def test_ranks_disagreeing_on_num_chunks_raise_the_same_error(self):
+        E, T, k = 8, 4, 2
+        x, ids, w, w1, w2, w3 = _global_data(E, 4, 4, T, k, 4)
+        rank = dist.get_rank()
+        for capacity_factor in (None, 2.0):
+            self._raises_the_same_on_every_rank(
+                ValueError, r"expected every rank of the expert-parallel group to pass the same "
+                r"num_chunks, but got 1 on ranks \[0\] and 2 on ranks \[1, 2, 3\]",
+                lambda: expert_parallel_moe_ffn(
+                    x[:T], ids[:T], w[:T], w1[:2], w2[:2], w3[:2], num_experts=E,
+                    num_chunks=1 if rank == 0 else 2, capacity_factor=capacity_factor))
+
+    def test_capacity_mode_ranks_disagreeing_on_the_layer_raise_the_same_error(self):
+        E, D, T, k = 8, 4, 4, 2
+        x, ids, w, w1, w2, w3 = _global_data(E, D, 4, T, k, 4)
+        rank = dist.get_rank()
+        ws = (w1[:2], w2[:2], w3[:2])
+        d = D if rank == 0 else D - 1
+        cases = [
+            (r"x.size\(1\), but got 4 on ranks \[0\] and 3 on ranks \[1, 2, 3\]",
+             (x[:T, :d], ids[:T], w[:T], ws[0][:, :d], ws[1][:, :, :d], ws[2][:, :d]), {}),
+            (r"x.dtype, but got torch.float64 on ranks \[0\] and torch.float32 on ranks",
+             (x[:T].double(), ids[:T], w[:T], *(t.double() for t in ws)) if rank == 0
+             else (x[:T], ids[:T], w[:T], *ws), {}),
+            (r"capacity_factor, but got 4.0 on ranks \[0\] and 2.0 on ranks \[1, 2, 3\]",
+             (x[:T], ids[:T], w[:T], *ws), {"capacity_factor": 4.0 if rank == 0 else 2.0}),
+            (r"capacity_factor, but got None on ranks \[0\] and 2.0 on ranks \[1, 2, 3\]",
+             (x[:T], ids[:T], w[:T], *ws), {"capacity_factor": None if rank == 0 else 2.0}),
+            (r"dedup, but got True on ranks \[0\] and False on ranks \[1, 2, 3\]",
+             (x[:T], ids[:T], w[:T], *ws), {"dedup": rank == 0}),
+            (r"activation, but got 'gelu' on ranks \[0\] and 'swiglu' on ranks \[1, 2, 3\]",
+             (x[:T], ids[:T], w[:T], *ws[:2], None if rank == 0 else ws[2]),
+             {"activation": "gelu" if rank == 0 else "swiglu"}),
+        ]
+        for regex, args, options in cases:
+            options = {"capacity_factor": 2.0, **options}
+            with self.subTest(regex):
+                # every case runs after the errors of the ones before: the group stays in step
+                self._raises_the_same_on_every_rank(
+                    ValueError, "expected every rank of the expert-parallel group to pass the "
+                    "same " + regex,
+                    lambda: expert_parallel_moe_ffn(*args, num_experts=E, **options))
+
+    def test_capacity_mode_ids_out_of_range_raise_on_every_rank(self):
+        E, T, k = 8, 4, 2
+        x, ids, w, w1, w2, w3 = _global_data(E, 4, 4, T, k, 4)
+        rank = dist.get_rank()
+        mine = ids[rank * T:(rank + 1) * T].clone()
+        if rank == 2:
+            mine[1, 0] = -1
+        # the flag travels with the signature and is asserted on the device of every rank
+        self._raises_the_same_on_every_rank(
+            RuntimeError, r"expected expert ids in \[0, 8\)",
+            lambda: expert_parallel_moe_ffn(x[:T], mine, w[:T], w1[:2], w2[:2], w3[:2],
+                                            num_experts=E, capacity_factor=2.0))
+
+    def test_dedup_duplicate_ids_raise_on_every_rank(self):
+        # G = 2 experts per rank and k = 3: a token with distinct ids has at most 2 pairs in
+        # its row for a rank; [0, 0, 1] would need 3
+        E, T, k = 8, 4, 3
+        x, ids, w, w1, w2, w3 = _global_data(E, 4, 4, T, k, 4)
+        rank = dist.get_rank()
+        mine = ids[rank * T:(rank + 1) * T].clone()
+        if rank == 1:
+            mine[2] = torch.tensor([0, 0, 1])
+        for capacity_factor, exc_type in ((None, ValueError), (2.0, RuntimeError)):
+            self._raises_the_same_on_every_rank(
+                exc_type, r"expected distinct expert ids per token",
+                lambda: expert_parallel_moe_ffn(x[:T], mine, w[:T], w1[:2], w2[:2], w3[:2],
+                                                num_experts=E, dedup=True,
+                                                capacity_factor=capacity_factor))
+
+    def test_capacity_mode_with_different_token_counts_per_rank(self):
+        # T_r = 2 r + 1 tokens on rank r (rank 0: 1 token); capacity 8.0 drops nothing, so the
+        # result is moe_ffn's; each source pads its rows for a destination to its own capacity
+        E, D, F, k, R = 8, 4, 4, 2, 4
+        rank, G = dist.get_rank(), 2
+        counts = [2 * r + 1 for r in range(R)]
+        x, ids, w, w1, w2, w3 = _global_data(E, D, F, sum(counts), k, 1, seed=7)
+        start = sum(counts[:rank])
+        mine, experts = slice(start, start + counts[rank]), slice(rank * G, (rank + 1) * G)
+        ref = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+        ref_out = moe_ffn(ref[0], ids, *ref[1:])
+        grad = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(8))
+        ref_out.backward(grad)
+        for dedup in (False, True):
+            local = [t[s].clone().requires_grad_()
+                     for t, s in zip((x, w, w1, w2, w3), (mine, mine, experts, experts, experts))]
+            reset_dispatch_counters()
+            out = expert_parallel_moe_ffn(local[0], ids[mine], *local[1:], num_experts=E,
+                                          capacity_factor=8.0, dedup=dedup, num_chunks=2)
+            self.assertEqual(out, ref_out[mine], **TOL)
+            out.backward(grad[mine])
+            for lt, rt, s in zip(local, ref, (mine, mine, experts, experts, experts)):
+                self.assertEqual(lt.grad, rt.grad[s], **TOL)
+            c = read_dispatch_counters()
+            self.assertEqual(c["dropped"], 0)
+            self.assertEqual(c["rows_sent"],
+                             int(send_counts(ids[mine], E, R, dedup).sum()))
+            # capacity per chunk: ceil(8 T_chunk k / R), at most the rows a chunk can have for
+            # one destination (T_chunk with dedup, T_chunk k without)
+            W = min(k, G) if dedup else 1
+            def cap(t):
+                return max(1, min(math.ceil(8.0 * t * k / R), t if dedup else t * k))
+            chunk_caps = [[cap(t // 2), cap(t - t // 2)] for t in counts]
+            sent_rows = (R - 1) * sum(chunk_caps[rank])
+            received_rows = sum(sum(chunk_caps[r]) for r in range(R) if r != rank)
+            row, back = D * 4 + W * 8, D * 4
+            self.assertEqual(c["bytes_sent"], sent_rows * row + received_rows * back)
+            self.assertEqual(c["bytes_received"], received_rows * row + sent_rows * back)
 
     def test_bad_arguments(self):
         x, ids, w, w1, w2, w3 = _global_data(8, 4, 4, 4, 2, 1)
         cases = [
-            (dict(num_experts=6), "num_experts=6 is not divisible by the 4 ranks"),
-            (dict(num_experts=8, num_chunks=0), "expected num_chunks to be a positive int"),
-            (dict(num_experts=8, capacity_factor=-1.0), "expected capacity_factor > 0"),
+            (dict(num_experts=6), "expected num_experts divisible by the 4 ranks of the "
+             "group, but got num_experts=6"),
+            (dict(num_experts=8, num_chunks=0), r"expected num_chunks to be an int in \[1, 16\], "
+             "but got 0"),
+            (dict(num_experts=8, capacity_factor=-1.0), "expected capacity_factor to be a finite "
+             "number > 0 or None, but got -1.0"),
         ]
         for kwargs, msg in cases:
             with self.assertRaisesRegex(ValueError, msg):
@@ -208,32 +345,64 @@ class TestDispatch4Ranks(_Base):
             expert_parallel_moe_ffn(x, ids, w, w1[:2], w2[:2].double(), w3[:2], num_experts=8)
 
 
-_forbid = threading.local()
+_in_kernel = threading.local()
+
+# ops whose output shape, or whose result on the host, depends on tensor values
+_DATA_DEPENDENT = {
+    torch.ops.aten.nonzero.default, torch.ops.aten.argwhere.default,
+    torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default, torch.ops.aten.unique_dim.default,
+    torch.ops.aten.bincount.default, torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
+}
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts ``.item()`` / ``int()`` style reads (``_local_scalar_dense``) in this thread,
-    outside the ``torch_moe`` kernels: the CPU kernels read their offsets on the host, which on
-    a GPU happens on the device."""
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(i is not None and i.dtype == torch.bool for i in indices)
 
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
+
+class _NoDataDependentOps(TorchDispatchMode):
+    """Fails on any op whose output shape or host result depends on tensor values, outside the
+    ``torch_moe`` kernels (the CPU expert kernel reads its group offsets on the host; that is
+    the kernel, on a GPU the offsets stay on the device)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        if func.namespace != "torch_moe":
-            return func(*args, **(kwargs or {}))
-        _forbid.in_kernel = True
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            _forbid.in_kernel = False
+        kwargs = kwargs or {}
+        if func.namespace == "torch_moe":
+            _in_kernel.active = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                _in_kernel.active = False
+        if not getattr(_in_kernel, "active", False):
+            packet = func.overloadpacket
+            if (func in _DATA_DEPENDENT
+                    or (packet in (torch.ops.aten.index, torch.ops.aten.index_put,
+                                   torch.ops.aten.index_put_, torch.ops.aten._index_put_impl_)
+                        and _has_bool_index(args))
+                    or (packet is torch.ops.aten.repeat_interleave
+                        and kwargs.get("output_size") is None)):
+                raise AssertionError(f"data-dependent op {func} in capacity mode")
+        return func(*args, **kwargs)
 
 
-class TestCapacityModeHasNoHostSync(_Base):
-    """``Tensor.tolist`` does not go through the dispatcher, so it is wrapped for the test."""
+def _static_graph(gm, example_inputs):
+    """A ``torch.compile`` backend that fails on any value of data-dependent size or value
+    (an unbacked symbol: boolean indexing, nonzero, item, ...). torch 2.13 captures such ops
+    even with ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` off, so the
+    graph itself is checked."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("example_value")):
+            if free_unbacked_symbols(value):
+                raise AssertionError(f"data-dependent value in the graph: {node.format_node()}")
+    return gm.forward
+
+
+class TestCapacityModeHasNoDataDependentShapes(_Base):
+    """Capacity mode: no op with a data-dependent shape, and one host read per call, of the
+    fixed-size header (layer signature and capacities: shapes and arguments, no token values).
+    ``Tensor.tolist`` does not go through the dispatcher, so it is wrapped for the test."""
 
     @property
     def world_size(self):
@@ -241,12 +410,14 @@ class TestCapacityModeHasNoHostSync(_Base):
 
     def setUp(self):
         self._tolist = torch.Tensor.tolist
-        counted = self._tolist
+        original = self._tolist
 
         def tolist(t):
-            if not getattr(_forbid, "in_kernel", False):
-                _forbid.tolists = getattr(_forbid, "tolists", 0) + 1
-            return counted(t)
+            values = original(t)
+            reads = getattr(_in_kernel, "reads", None)
+            if reads is not None and not getattr(_in_kernel, "active", False):
+                reads.append(values)
+            return values
 
         torch.Tensor.tolist = tolist
         super().setUp()
@@ -255,16 +426,101 @@ class TestCapacityModeHasNoHostSync(_Base):
         torch.Tensor.tolist = self._tolist
         super().tearDown()
 
-    def _host_reads(self, **options):
-        x, ids, w, w1, w2, w3 = _global_data(4, 4, 4, 6, 2, 1)
-        _forbid.tolists = 0
-        with _HostReads() as mode:
-            expert_parallel_moe_ffn(x, ids, w, w1[:2], w2[:2], w3[:2], num_experts=4, **options)
-        return mode.reads + _forbid.tolists
+    def _host_reads(self, seed, T, **options):
+        x, ids, w, w1, w2, w3 = _global_data(4, 4, 4, T, 2, 1, seed=seed)
+        _in_kernel.reads = []
+        try:
+            with _NoDataDependentOps():
+                expert_parallel_moe_ffn(x, ids, w, w1[:2], w2[:2], w3[:2], num_experts=4,
+                                        **options)
+            return _in_kernel.reads
+        finally:
+            del _in_kernel.reads
 
-    def test_capacity_mode_reads_nothing_on_the_host(self):
-        self.assertGreater(self._host_reads(), 0)  # the synchronising mode is seen
-        self.assertEqual(self._host_reads(capacity_factor=2.0, num_chunks=2, dedup=True), 0)
+    def test_the_check_sees_data_dependent_ops(self):
+        x = torch.randn(6)
+        for f in (lambda: x[x > 0], lambda: x.nonzero(), lambda: int(x.sum() > 0),
+                  lambda: torch.repeat_interleave(torch.tensor([1, 2]))):
+            with self.assertRaisesRegex(AssertionError, "data-dependent op"), \
+                    _NoDataDependentOps():
+                f()
+
+    def test_capacity_mode_reads_only_the_signature_on_the_host(self):
+        options = dict(capacity_factor=2.0, num_chunks=2, dedup=True)
+        first = self._host_reads(seed=0, T=6, **options)
+        # other token values and routing, same shapes: the same single read, same values
+        self.assertEqual(len(first), 1)
+        self.assertEqual(self._host_reads(seed=1, T=6, **options), first)
+        # other shapes: still one read of the same size
+        other = self._host_reads(seed=2, T=3, **options)
+        self.assertEqual(len(other), 1)
+        self.assertEqual(len(other[0]), len(first[0]))
+        self.assertEqual([len(r) for r in other[0]], [len(r) for r in first[0]])
+
+    def test_static_graph_backend_sees_data_dependent_ops(self):
+        x = torch.randn(6)
+        for f in (lambda x: x[x > 0], lambda x: x.nonzero(), lambda x: x.sum().item() + 1):
+            torch._dynamo.reset()
+            with self.assertRaisesRegex(Exception, "data-dependent"):
+                torch.compile(f, fullgraph=True, backend=_static_graph)(x)
+
+    def test_capacity_math_compiles_without_dynamic_shapes(self):
+        # the dispatch math after the signature exchange: row plan, pack, functional
+        # all-to-alls, local experts, combine. Rank 0 runs it compiled (one graph, no
+        # data-dependent shapes or scalars), rank 1 eagerly: the collectives pair up
+        from torch_moe.distributed import dispatch
+
+        E, D, F, T, k = 4, 4, 4, 6, 2
+        rank = dist.get_rank()
+        x, ids, w, w1, w2, w3 = _global_data(E, D, F, T, k, 2, seed=3)
+        ref = moe_ffn(x, ids, w, w1, w2, w3)
+        mine, experts = slice(rank * T, (rank + 1) * T), slice(rank * 2, (rank + 1) * 2)
+        layer = dispatch._Layer.of(x[mine], ids[mine], num_experts=E, group=dist.group.WORLD,
+                                   activation="swiglu", alpha=1.702, limit=7.0, dedup=True,
+                                   num_chunks=2, capacity_factor=8.0)
+        plan = dispatch._exchange_header(layer, *dispatch._plan_rows(ids[mine], layer))
+
+        def capacity_math(x, topk_ids, topk_weights, w1, w2, w3):
+            planned, _ = dispatch._plan_rows(topk_ids, layer)
+            return dispatch._dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer,
+                                             planned, plan)[0]
+
+        fn = capacity_math
+        if rank == 0:
+            torch._dynamo.reset()
+            fn = torch.compile(capacity_math, fullgraph=True, backend=_static_graph)
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False,
+                                        capture_scalar_outputs=False):
+            out = fn(x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts])
+        self.assertEqual(out, ref[mine], **TOL)
+
+
+class TestExpertParallelCapacityMode(DTensorOpTestBase):
+    """``ExpertParallel`` with the dispatcher's capacity mode and a different number of tokens
+    on every rank (5 + rank), as the style documents."""
+
+    @property
+    def world_size(self):
+        return 4
+
+    def test_expert_parallel_capacity_factor_with_uneven_tokens(self):
+        moe = make_moe()
+        ref = copy.deepcopy(moe)
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        # capacity 8 per pair of ranks drops nothing: the layer equals the unsharded one
+        parallelize_module(moe, mesh, ExpertParallel(dispatch_options={"capacity_factor": 8.0}))
+        xs, gs = global_tokens(self.world_size)
+        rank = dist.get_rank()
+        x = xs[rank].clone().requires_grad_()
+        y = moe(x)
+        y.backward(gs[rank])
+        ref_x = torch.cat(xs).requires_grad_()
+        ref_y = ref(ref_x)
+        ref_y.backward(torch.cat(gs))
+        start = sum(t.size(0) for t in xs[:rank])
+        mine = slice(start, start + x.size(0))
+        self.assertEqual(y, ref_y[mine], **TOL)
+        self.assertEqual(x.grad, ref_x.grad[mine], **TOL)
 
 
 class TestDispatchAtScale(_Base):
@@ -300,8 +556,10 @@ class TestDispatchPlan256Ranks(TestCase):
             counts = torch.stack([p[-1] for p in plans])  # [source, destination]
             self.assertEqual(counts, torch.stack([send_counts(ids[r * T:(r + 1) * T], E, R, dedup)
                                                   for r in range(R)]))
-            chunks = [_pack(ids[r * T:(r + 1) * T], w[r * T:(r + 1) * T], plans[r], G, R, W,
-                            None, (counts[r].tolist(), counts[:, r].tolist()))
+            layer = _Layer(None, R, 0, E, G, D, k, W, torch.float32, dedup, 1, None, "swiglu",
+                           1.702, 7.0, ((0, T),))
+            chunks = [_pack(ids[r * T:(r + 1) * T], w[r * T:(r + 1) * T], plans[r], layer,
+                            _Splits(counts[r].tolist(), counts[:, r].tolist(), None))
                       for r in range(R)]
             starts = torch.cumsum(counts, 1) - counts  # [source, destination] row offsets
             back = [torch.zeros(int(counts[r].sum()), D) for r in range(R)]

@@ -10,8 +10,11 @@ parent's deadline instead of hanging the suite). Rank 0 always calls
 * ``stall``: it stays alive but never calls (a rank stuck elsewhere): rank 0's exchange fails
   when the process group's 3 s timeout expires.
 
-Collectives whose shapes or layer disagree across ranks are in ``test_dispatch.py`` (threaded):
-they raise a ``ValueError`` on every rank before any token moves.
+Ranks that disagree on the layer (``num_chunks``, the model dim, the dtype, ``capacity_factor``)
+or pass bad expert ids in capacity mode: both processes call, and both must raise the same error
+from the signature exchange instead of one aborting in a mismatched collective (gloo's SIGABRT);
+capacity mode with a different token count per rank runs and matches ``moe_ffn``. The threaded
+tests in ``test_dispatch.py`` cover more mismatches at 4 ranks.
 
 Run: ``python -m pytest test/distributed/test_dispatch_faults_gloo.py -q`` from the repo root.
 """
@@ -58,6 +61,62 @@ _CHILD = textwrap.dedent(
 ).format(timeout=TIMEOUT_S)
 
 
+# Both ranks call, with arguments that disagree across the ranks; each case must end in the same
+# error on both (before the patch some of these aborted a process: gloo's SIGABRT on mismatched
+# sizes). Capacity mode with a different T per rank is valid and must match moe_ffn.
+_MISMATCH_CHILD = textwrap.dedent(
+    """
+    import os, datetime
+    import torch, torch.distributed as dist
+    import torch_moe
+    from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
+    from torch_moe.nn.functional import moe_ffn
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds={timeout}))
+    torch.manual_seed(0)
+    E, D, F = 4, 8, 4
+    x, ids, w = torch.randn(9, D), torch.randint(0, E, (9, 1)), torch.rand(9, 1)
+    w1, w2, w3 = torch.randn(E, D, F), torch.randn(E, F, D), torch.randn(E, D, F)
+    mine = slice(0, 4) if rank == 0 else slice(4, 9)  # T = 4 and 5
+    experts = slice(2 * rank, 2 * rank + 2)
+
+    def call(x=x[mine], ids=ids[mine], ws=(w1[experts], w2[experts], w3[experts]), **options):
+        return expert_parallel_moe_ffn(x, ids, w[mine], *ws, num_experts=E, **options)
+
+    d = D if rank == 0 else D - 2
+    cases = {{
+        "num_chunks": lambda: call(num_chunks=1 + rank),
+        "capacity_dim": lambda: call(x[mine, :d], ws=(w1[experts, :d], w2[experts, :, :d],
+                                                        w3[experts, :d]), capacity_factor=2.0),
+        "capacity_factor": lambda: call(capacity_factor=2.0 + rank),
+        "capacity_dtype": lambda: call(x[mine].double(), ws=tuple(
+            t[experts].double() for t in (w1, w2, w3)), capacity_factor=2.0) if rank == 0
+            else call(capacity_factor=2.0),
+        "capacity_bad_id": lambda: call(ids=ids[mine] + 4 * rank, capacity_factor=2.0),
+    }}
+    for name in os.environ["CASES"].split(","):
+        if name == "capacity_uneven_tokens":
+            out = call(capacity_factor=4.0, num_chunks=2)
+            ref = moe_ffn(x, ids, w, w1, w2, w3)[mine]
+            print(f"CASE {{name}}: {{'MATCH' if torch.allclose(out, ref, atol=1e-5) else 'DIFF'}}",
+                  flush=True)
+            continue
+        try:
+            cases[name]()
+            print(f"CASE {{name}}: NO ERROR", flush=True)
+        except Exception as e:
+            print(f"CASE {{name}}: {{type(e).__name__}}: {{str(e).splitlines()[0][:300]}}",
+                  flush=True)
+    dist.destroy_process_group()
+    """
+).format(timeout=TIMEOUT_S)
+
+_MISMATCH_CASES = ("num_chunks", "capacity_dim", "capacity_factor", "capacity_dtype",
+                   "capacity_bad_id", "capacity_uneven_tokens")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +145,38 @@ class TestDispatchFaults(TestCase):
         elapsed = float(line.split(" after ")[1].split(" s")[0])
         self.assertLessEqual(elapsed, TIMEOUT_S + 5, msg=line)
         return line
+
+    def test_ranks_disagreeing_raise_the_same_error_without_abort(self):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   WORLD_SIZE="2", CASES=",".join(_MISMATCH_CASES))
+        procs = [subprocess.Popen([sys.executable, "-c", _MISMATCH_CHILD],
+                                  env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        for p, out in zip(procs, outs):
+            self.assertEqual(p.returncode, 0, msg=out)  # -6: a process aborted
+        lines = [[ln for ln in out.splitlines() if ln.startswith("CASE ")] for out in outs]
+        self.assertEqual(lines[0], lines[1], msg=outs)  # the same error on both ranks
+        self.assertEqual([ln.split(":")[0] for ln in lines[0]],
+                         [f"CASE {name}" for name in _MISMATCH_CASES], msg=outs)
+        got = dict(ln[len("CASE "):].split(": ", 1) for ln in lines[0])
+        self.assertEqual(got["capacity_uneven_tokens"], "MATCH")
+        self.assertIn("same num_chunks, but got 1 on ranks [0] and 2 on ranks [1]",
+                      got["num_chunks"])
+        self.assertIn("same x.size(1), but got 8 on ranks [0] and 6 on ranks [1]",
+                      got["capacity_dim"])
+        self.assertIn("same capacity_factor, but got 2.0 on ranks [0] and 3.0 on ranks [1]",
+                      got["capacity_factor"])
+        self.assertIn("same x.dtype, but got torch.float64 on ranks [0] and torch.float32",
+                      got["capacity_dtype"])
+        self.assertIn("RuntimeError: expert_parallel_moe_ffn: expected expert ids in [0, 4)",
+                      got["capacity_bad_id"])
 
     def test_rank_gone_or_stalled_raises_within_timeout(self):
         for mode in ("exit", "stall"):

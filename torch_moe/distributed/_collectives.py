@@ -1,4 +1,5 @@
-"""The one adapter of ``torch.distributed._functional_collectives`` (private) for the dispatcher.
+"""The one adapter of the private torch APIs of the dispatcher: ``torch.distributed.
+_functional_collectives`` and the asynchronous device assertion.
 
 Functional collectives are what the dispatcher needs on both of its paths:
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_to_all", "all_to_all_differentiable", "wait"]
+__all__ = ["all_to_all", "all_to_all_differentiable", "assert_on_device", "wait"]
 
 
 def _funcol():
@@ -48,3 +49,10 @@ def wait(t: Tensor) -> Tensor:
     """The plain tensor of a possibly in-flight non-differentiable collective result (a
     differentiable one waits by itself when an op first uses it)."""
     return t.trigger_wait() if isinstance(t, _funcol().AsyncCollectiveTensor) else t
+
+
+def assert_on_device(condition: Tensor, message: str) -> None:
+    """Fails with ``message`` where the bool tensor ``condition`` is False, without a host read:
+    a ``RuntimeError`` at once on CPU, a device-side assertion on CUDA (``torch._assert_async``,
+    which also traces into a graph)."""
+    torch._assert_async(condition, message)

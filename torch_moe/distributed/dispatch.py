@@ -23,12 +23,15 @@ computed where the expert output is and comes back through the reverse exchange.
 One call of :func:`expert_parallel_moe_ffn`:
 
 1. orders every chunk's assignments by (destination, token) and numbers the rows;
-2. exchanges the per-destination row counts of every chunk in one ``all_to_all_single``,
-   together with each rank's layer signature (E, D, W, dtype) and a flag for expert ids out of
-   range, and copies them to the host: **one host synchronisation per call**, and every rank
-   raises the same error if any rank's signature or ids are wrong (no rank is left waiting in
-   a later collective). ``num_chunks`` sets the width of this exchange, so it must be equal
-   on every rank, like every argument of a collective;
+2. exchanges a fixed-size header with every rank in one ``all_to_all_single`` before any
+   data-sized collective: the layer signature (``num_experts``, ``D``, dtype, ``num_chunks``,
+   ``capacity_factor``, ``dedup``, ``W``, activation, ``alpha``, ``limit``), one column per
+   chunk (row counts per destination; in capacity mode the sender's capacity) and two flags
+   (expert ids out of range; ids repeated within a token, which would overflow a deduplicated
+   row). Its width does not depend on any argument, so ranks that disagree still pair up in
+   it, and every rank receives every rank's signature: when they differ, every rank raises the
+   same ``ValueError`` naming the argument, its values and their ranks, and no rank is left
+   in a later collective. This is **one host synchronisation per call**;
 3. sends the rows (differentiable), the local expert ids and the routing weights
    (differentiable) of every chunk with functional all-to-alls, which run in the background;
 4. for each chunk in turn, waits for its rows, runs the local experts and starts sending the
@@ -36,13 +39,26 @@ One call of :func:`expert_parallel_moe_ffn`:
    of another;
 5. adds the returned rows into the output of their tokens.
 
-Capacity mode (``capacity_factor=c``): every (source, destination) pair exchanges exactly
-``C = ceil(c * T_chunk * k / R)`` rows per chunk, padded with empty rows, so all split sizes
-are static: there is **no host synchronisation** and ``torch.compile`` / CUDA graphs can capture
-the layer. Rows past ``C`` for a destination are dropped (their assignments contribute zero,
-as with ``MoEConfig.capacity_factor``) and counted in the ``dropped`` counter. All ranks
-must call with the same ``T`` (and chunking), and the ids are checked with an asynchronous
-device assertion instead of the host-side check.
+Capacity mode (``capacity_factor=c``): a source sends every destination exactly
+``C = ceil(c * T_chunk * k / R)`` rows per chunk (at most the ``T_chunk`` rows, or
+``T_chunk * k`` without dedup, that a chunk can have for one destination; at least 1), padded
+with empty rows. Rows past ``C`` for a destination are dropped (their assignments contribute
+zero, as with ``MoEConfig.capacity_factor``) and counted in the ``dropped`` counter. ``T``
+may differ between ranks: each source pads to its own ``C``, which the header tells the
+receivers. What capacity mode promises:
+
+* no op with a data-dependent output shape (no boolean indexing, ``nonzero``, ``unique``,
+  ``bincount``, ...): every shape follows from the shapes and arguments of the ranks' calls;
+* one device-to-host copy per call, of the header's signature and capacities only (no value
+  that depends on the tokens or their routing). On CUDA it waits for the work queued before
+  the layer, so the layer as a whole is not captured by one CUDA graph;
+* the expert ids are checked on the device: an asynchronous assertion on the flags of
+  every rank, on every rank (a ``RuntimeError`` on every rank on CPU, a device-side assertion on
+  CUDA), instead of the host-side ``ValueError`` of the exact mode;
+* everything after the header (row plan, buffers, functional all-to-alls, experts, combine)
+  traces into one graph with static shapes (``torch.compile(fullgraph=True)``). The CPU
+  expert kernel reads its group offsets on the host: that is the kernel, not the dispatcher
+  (on a GPU the offsets stay on the device).
 
 Counters. Every forward call adds to int64 tensors on the device of ``x`` without host
 synchronisation (the backward moves the same bytes in the opposite direction and is not
@@ -61,8 +77,10 @@ them with :func:`reset_dispatch_counters`:
   call (replaced, not accumulated: layers may differ in ``G``); its sum is the rank's load.
 
 Every rank of the group must call the function (and run backward) the same number of times,
-also with ``T = 0``. A rank that fails or leaves makes the others' collectives fail after the
-process group's timeout (``init_process_group(..., timeout=...)``) instead of hanging.
+also with ``T = 0``. A rank that fails or leaves, or raises on its own arguments before the
+header (a local check: shapes, dtypes, devices of its tensors), makes the others' collectives
+fail after the process group's timeout (``init_process_group(..., timeout=...)``) instead of
+hanging.
 
 Not implemented: quantised payloads, precisions other than the ``moe_ffn`` default (the local
 experts run ``grouped_ffn`` in the dtype of the weights), and DTensor inputs (plain local
@@ -72,6 +90,8 @@ tensors; the ParallelStyles of :mod:`torch_moe.distributed.parallel` wrap this f
 from __future__ import annotations
 
 import math
+import numbers
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -80,13 +100,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_moe.distributed._collectives import all_to_all, all_to_all_differentiable, wait
+from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
+from torch_moe.distributed._collectives import (
+    all_to_all,
+    all_to_all_differentiable,
+    assert_on_device,
+    wait,
+)
 
 __all__ = [
     "expert_parallel_moe_ffn",
     "read_dispatch_counters",
     "reset_dispatch_counters",
 ]
+
+_FN = "expert_parallel_moe_ffn"
 
 _SCALAR_COUNTERS = (
     "calls",
@@ -130,20 +158,183 @@ def _count(name: str, value, device, shape=()) -> None:
 _ID_DTYPE = torch.int32
 _WEIGHT_DTYPE = torch.float32
 
+# The header exchange has a fixed width, so that ranks disagreeing on num_chunks still pair up
+# in it; it carries one column per chunk, hence the bound.
+_MAX_CHUNKS = 16
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One call as every rank of the group must see it (the signature), and this rank's place."""
+
+    group: dist.ProcessGroup
+    R: int  # ranks of the group
+    rank: int
+    num_experts: int
+    G: int  # experts per rank
+    D: int
+    k: int
+    W: int  # (local expert id, weight) pairs per row
+    dtype: torch.dtype
+    dedup: bool
+    num_chunks: int
+    capacity_factor: Optional[float]
+    activation: str
+    alpha: float
+    limit: float
+    spans: tuple  # ((start, end), ...): the tokens of every chunk
+
+    @classmethod
+    def of(cls, x: Tensor, topk_ids: Tensor, *, num_experts: int, group, activation: str,
+           alpha: float, limit: float, dedup: bool, num_chunks: int,
+           capacity_factor: Optional[float]) -> "_Layer":
+        group = group if group is not None else dist.group.WORLD
+        R = dist.get_world_size(group)
+        G = num_experts // R
+        T, k = topk_ids.shape
+        bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
+        return cls(group, R, dist.get_rank(group), num_experts, G, x.size(1), k,
+                   min(k, G) if dedup else 1, x.dtype, dedup, num_chunks,
+                   None if capacity_factor is None else float(capacity_factor), activation,
+                   float(alpha), float(limit), tuple(zip(bounds[:-1], bounds[1:])))
+
+    def capacity(self, num_tokens: int) -> int:
+        """Rows per destination of a chunk of ``num_tokens`` tokens in capacity mode:
+        ``ceil(c * T_chunk * k / R)``, at most the rows such a chunk can have for one destination
+        (``T_chunk`` with dedup, ``T_chunk * k`` without) and at least 1."""
+        most = num_tokens if self.dedup else num_tokens * self.k
+        wanted = min(float(most), self.capacity_factor * num_tokens * self.k / self.R)
+        return max(1, math.ceil(wanted))
+
+
+def _float_code(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", v))[0]
+
+
+def _float_of(code: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", code))[0]
+
+
+# The layer signature: (name in errors, code of a layer, the value a code stands for). A
+# capacity_factor of None is coded 0 (the code of 0.0, which is not a valid factor).
+_SIGNATURE = (
+    ("num_experts", lambda L: L.num_experts, int),
+    ("x.size(1)", lambda L: L.D, int),
+    ("x.dtype", lambda L: _DTYPES.index(L.dtype), lambda c: _DTYPES[c]),
+    ("num_chunks", lambda L: L.num_chunks, int),
+    ("capacity_factor", lambda L: _float_code(L.capacity_factor or 0.0),
+     lambda c: _float_of(c) or None),
+    ("dedup", lambda L: int(L.dedup), bool),
+    ("pairs per row W (min(k, num_experts / R) with dedup, else 1)", lambda L: L.W, int),
+    ("activation", lambda L: ACTIVATIONS.index(L.activation), lambda c: ACTIVATIONS[c]),
+    ("alpha", lambda L: _float_code(L.alpha), _float_of),
+    ("limit", lambda L: _float_code(L.limit), _float_of),
+)
+_S = len(_SIGNATURE)
+# a header row: the signature, one column per chunk, then the flags of the ids
+_OUT_OF_RANGE, _REPEATED = _S + _MAX_CHUNKS, _S + _MAX_CHUNKS + 1
+_HEADER_WIDTH = _S + _MAX_CHUNKS + 2
+
+
+def _check_signatures(signatures: list[list[int]]) -> None:
+    """Raises the same ``ValueError`` on every rank when the ranks' signatures differ (every
+    rank holds every rank's signature)."""
+    problems = []
+    for i, (name, _, decode) in enumerate(_SIGNATURE):
+        ranks_of = {}
+        for src, sig in enumerate(signatures):
+            ranks_of.setdefault(sig[i], []).append(src)
+        if len(ranks_of) > 1:
+            got = [f"{decode(code)!r} on ranks {ranks}" for code, ranks in ranks_of.items()]
+            problems.append(f"the same {name}, but got {', '.join(got[:-1])} and {got[-1]}")
+    if problems:
+        raise ValueError(f"{_FN}: expected every rank of the expert-parallel group to pass "
+                         + "; ".join(problems))
+
+
+def _id_errors(num_experts: int, W: int) -> tuple[str, str]:
+    return (f"{_FN}: expected expert ids in [0, {num_experts})",
+            f"{_FN}: expected distinct expert ids per token (with dedup a row holds at most "
+            f"W = {W} of a token's experts)")
+
+
+@dataclass
+class _Splits:
+    """Rows per rank of one chunk's exchange: ``send[d]`` to rank d, ``recv[s]`` from rank s.
+    ``capacity`` is ``C`` in capacity mode (then ``send == [C] * R``), else None."""
+
+    send: list[int]
+    recv: list[int]
+    capacity: Optional[int]
+
+
+def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]:
+    """The first collective of a call: one fixed-size all-to-all of a ``[R, _HEADER_WIDTH]``
+    int64 header per rank, then one device-to-host copy.
+
+    A header row holds the layer signature, one column per chunk (the rows for that destination
+    in exact mode, this rank's capacity ``C`` in capacity mode) and the flags of the expert ids
+    (out of range, repeated). Every rank receives every rank's signature, so every rank takes
+    the same decision: the same error, or the splits of every chunk. Exact mode copies the whole
+    header to the host and raises a ``ValueError`` naming the ranks with bad ids. Capacity mode
+    copies only the signature and the capacities (no value that depends on the tokens) and
+    asserts on the flags on the device (an asynchronous assertion: a ``RuntimeError`` on every
+    rank on CPU, a device-side assertion on CUDA)."""
+    R, G, n = layer.R, layer.G, layer.num_chunks
+    device = bad.device
+    if layer.capacity_factor is None:
+        columns = torch.stack([p[-1] for p in planned], 1)  # [R, n] rows per destination
+    else:
+        caps = [layer.capacity(e - s) for s, e in layer.spans]
+        columns = torch.tensor(caps, dtype=torch.int64, device=device).expand(R, n)
+    signature = torch.tensor([code(layer) for _, code, _ in _SIGNATURE], dtype=torch.int64,
+                             device=device)
+    send = torch.cat([
+        signature.expand(R, _S),
+        columns,
+        columns.new_zeros(R, _MAX_CHUNKS - n),
+        bad.long().view(1, 2).expand(R, 2),
+    ], 1)  # row r goes to rank r
+    recv = wait(all_to_all(send, None, None, layer.group))
+    out_of_range, repeated = _id_errors(layer.num_experts, layer.W)
+    if layer.capacity_factor is None:
+        sent, received = torch.stack([send, recv]).tolist()  # the host synchronisation
+        _check_signatures([row[:_S] for row in received])
+        for flag, message in ((_OUT_OF_RANGE, out_of_range), (_REPEATED, repeated)):
+            ranks = [src for src, row in enumerate(received) if row[flag]]
+            if ranks:
+                raise ValueError(f"{message}, but ranks {ranks} of the expert-parallel group "
+                                 "passed ids that are not")
+        return [_Splits([row[_S + c] for row in sent], [row[_S + c] for row in received], None)
+                for c in range(n)]
+    received = recv[:, :_OUT_OF_RANGE].tolist()  # the one host read: shapes and arguments
+    _check_signatures([row[:_S] for row in received])
+    assert_on_device(recv[:, _OUT_OF_RANGE].eq(0).all(),
+                     f"{out_of_range}, but a rank of the expert-parallel group passed an id "
+                     "outside that range")
+    assert_on_device(recv[:, _REPEATED].eq(0).all(),
+                     f"{repeated}, but a rank of the expert-parallel group repeated an id "
+                     "within a token")
+    return [_Splits([caps[c]] * R, [row[_S + c] for row in received], caps[c])
+            for c in range(n)]
+
 
 @dataclass
 class _Chunk:
     """The rows of one chunk of a source rank's tokens, in send-buffer order.
 
-    ``N`` is the number of send-buffer rows: the exact row count in synchronising mode, ``R * C``
-    in capacity mode. Attributes ending in ``_N`` are indexed by buffer row.
+    ``N`` is the number of send-buffer rows: the exact row count in exact mode, ``R * C`` in
+    capacity mode. Attributes ending in ``_N`` are indexed by buffer row.
     """
 
     token_N: Tensor  # [N] int64, chunk-local token of each row (0 for an empty row)
     ids_NW: Tensor  # [N, W] int32 local expert ids, G where unused
     weights_NW: Tensor  # [N, W] fp32 routing weights, 0 where unused (differentiable)
-    send_splits: Optional[list[int]]  # rows per destination; None = C each (capacity mode)
-    recv_splits: Optional[list[int]]
+    splits: _Splits
+    kept_per_dest: Optional[Tensor]  # [R] rows kept per destination, capacity mode
+    dropped: Optional[Tensor]  # () assignments dropped, capacity mode
 
 
 def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool):
@@ -151,7 +342,8 @@ def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool):
 
     Returns, over the ``T * k`` assignments in that order: ``order`` (the flat assignment),
     ``dest``, ``row`` (buffer row, counted over all destinations), ``col`` (pair within the
-    row), ``is_first`` (the assignment that starts its row), and ``rows_per_dest [R]``.
+    row), ``is_first`` (the assignment that starts its row), and ``rows_per_dest [R]``. Every
+    output has a shape fixed by ``T, k, R``.
     """
     T, k = topk_ids.shape
     device = topk_ids.device
@@ -175,15 +367,27 @@ def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool):
     return order, sdest, row, col, is_first, rows_per_dest
 
 
-def _pack(topk_ids, topk_weights, planned, G, R, W, capacity: Optional[int], splits):
-    """Builds the send buffers of one chunk from :func:`_order_rows`' plan."""
+def _plan_rows(topk_ids: Tensor, layer: _Layer) -> tuple[list, Tensor]:
+    """Every chunk's row plan, and the flags ``[2]`` (ids out of range, ids repeated within a
+    row: a token that names an expert twice has more than ``W`` pairs for a rank with dedup)."""
+    planned = [_order_rows(topk_ids[s:e], layer.G, layer.R, layer.dedup)
+               for s, e in layer.spans]
+    out_of_range = ((topk_ids < 0) | (topk_ids >= layer.num_experts)).any()
+    repeated = torch.stack([(p[3] >= layer.W).any() for p in planned]).any()
+    return planned, torch.stack([out_of_range, repeated])
+
+
+def _pack(topk_ids: Tensor, topk_weights: Tensor, planned, layer: _Layer,
+          splits: _Splits) -> _Chunk:
+    """Builds the send buffers of one chunk from :func:`_order_rows`' plan, with ops of static
+    output shapes only (scatters into buffers of host-known size, no boolean indexing)."""
     order, sdest, row, col, is_first, rows_per_dest = planned
-    T = topk_ids.size(0)
+    G, R, W, capacity = layer.G, layer.R, layer.W, splits.capacity
     device = topk_ids.device
     if capacity is None:
-        num_rows = sum(splits[0])
+        num_rows = sum(splits.send)
         slot = row
-        kept = None
+        kept_per_dest = dropped = None
     else:
         num_rows = R * capacity
         first_row_of_dest = torch.cumsum(rows_per_dest, 0) - rows_per_dest
@@ -191,99 +395,177 @@ def _pack(topk_ids, topk_weights, planned, G, R, W, capacity: Optional[int], spl
         kept = pos < capacity
         # dropped assignments land in one extra trash row, cut off below
         slot = torch.where(kept, sdest * capacity + pos, num_rows)
-        _count("dropped", (~kept).sum(), device)
+        kept_per_dest = rows_per_dest.clamp(max=capacity)
+        dropped = (~kept).sum()
     token = torch.div(order, topk_ids.size(1), rounding_mode="floor")
     local = topk_ids.long().reshape(-1).index_select(0, order) - sdest * G
-    token_N = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
-    token_N = token_N.index_put((slot[is_first],), token[is_first])
+    # bad ids (reported collectively) become the unused id G; repeated ones share a pair
+    local = torch.where((local >= 0) & (local < G), local, G)
+    col = col.clamp(max=W - 1)
+    # every assignment of a row has the row's token, so all of them may write it
+    token_N = torch.zeros(num_rows + 1, dtype=torch.int64, device=device).index_put(
+        (slot,), token)
     ids_NW = torch.full((num_rows + 1, W), G, dtype=_ID_DTYPE, device=device)
     ids_NW = ids_NW.index_put((slot, col), local.to(_ID_DTYPE))
     weights = topk_weights.reshape(-1).to(_WEIGHT_DTYPE).index_select(0, order)
     weights_NW = weights.new_zeros(num_rows + 1, W).index_put((slot, col), weights)
-    return _Chunk(token_N[:num_rows], ids_NW[:num_rows], weights_NW[:num_rows],
-                  splits[0] if splits else None, splits[1] if splits else None)
+    return _Chunk(token_N[:num_rows], ids_NW[:num_rows], weights_NW[:num_rows], splits,
+                  kept_per_dest, dropped)
 
 
-_DTYPE_CODES = {dt: i for i, dt in enumerate(
-    (torch.float32, torch.bfloat16, torch.float16, torch.float64))}
-_SIGNATURE = ("num_experts", "dim", "pairs per row", "dtype")
+def _dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer: _Layer, planned,
+                     splits: list[_Splits]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Packs, sends, computes and combines every chunk, given the host-known splits.
+
+    Returns ``y [T, D]`` in ``x.dtype`` and the device counters of this call
+    (``last_expert_load``; in capacity mode also the row counts and ``dropped``). In capacity
+    mode every shape here follows from the splits: no op has a data-dependent shape and
+    nothing is read on the host, so this part traces into one graph."""
+    R, G, W, rank, group = layer.R, layer.G, layer.W, layer.rank, layer.group
+    device = x.device
+    chunks = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
+              for (s, e), p, sp in zip(layer.spans, planned, splits)]
+
+    # start every chunk's dispatch
+    in_flight = []
+    for (s, e), ch in zip(layer.spans, chunks):
+        rows = _chunk_tokens(x, s, e).index_select(0, ch.token_N)
+        sp = ch.splits
+        in_flight.append((
+            all_to_all_differentiable(rows, sp.recv, sp.send, group),
+            all_to_all(ch.ids_NW, sp.recv, sp.send, group),
+            all_to_all_differentiable(ch.weights_NW, sp.recv, sp.send, group),
+        ))
+
+    # local experts chunk by chunk; each result starts back at once
+    stats: dict[str, Tensor] = {}
+    returning = []
+    for ch, (rows, ids, weights) in zip(chunks, in_flight):
+        ids = wait(ids)
+        sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
+        out, _ = torch.ops.torch_moe.grouped_ffn(
+            rows, sorted_ids, offs[:G], weights, w1, w2, w3, layer.activation, layer.alpha,
+            layer.limit)
+        returning.append(all_to_all_differentiable(out, ch.splits.send, ch.splits.recv, group))
+        _add(stats, "last_expert_load", counts[:G])
+        if ch.splits.capacity is not None:
+            used = (ids < G).any(1).long()  # padding rows carry only the unused id G
+            own = sum(ch.splits.recv[:rank])
+            own_used = used[own:own + ch.splits.recv[rank]].sum()
+            _add(stats, "rows_received", used.sum())
+            _add(stats, "rows_received_remote", used.sum() - own_used)
+            _add(stats, "rows_sent", ch.kept_per_dest.sum())
+            _add(stats, "rows_sent_remote", ch.kept_per_dest.sum() - ch.kept_per_dest[rank])
+            _add(stats, "dropped", ch.dropped)
+
+    # combine: add the returned rows of each token, fp32
+    ys = []
+    for (s, e), ch, back in zip(layer.spans, chunks, returning):
+        # an empty chunk still has its padding rows in capacity mode: they add zeros to a
+        # spare row, so that the returned rows stay in the graph of every rank's backward
+        y = torch.zeros(max(e - s, 1), layer.D, dtype=torch.float32, device=device)
+        ys.append(y.index_add(0, ch.token_N, back.float())[:e - s])
+    y = torch.cat(ys) if len(ys) > 1 else ys[0]
+    return y.to(x.dtype), stats
 
 
-def _exchange_counts(rows_per_dest: list[Tensor], signature: list[int], bad_ids: Tensor,
-                     rank: int, group) -> list[tuple[list[int], list[int]]]:
-    """One all-to-all of every chunk's row counts plus the layer signature and the bad-id flag.
-
-    Returns per chunk (send_splits, recv_splits). Raises the same ``ValueError`` on every rank
-    when a rank's signature differs or a rank has expert ids out of range."""
-    R = len(rows_per_dest[0]) if rows_per_dest else dist.get_world_size(group)
-    n = len(rows_per_dest)
-    device = bad_ids.device
-    extra = torch.tensor(signature, dtype=torch.int64, device=device)
-    send = torch.cat([
-        torch.stack(rows_per_dest, 1) if n else torch.zeros(R, 0, dtype=torch.int64, device=device),
-        extra.expand(R, -1),
-        bad_ids.long().view(1, 1).expand(R, 1),
-    ], 1)  # [R, n + len(signature) + 1]: row r goes to rank r
-    recv = wait(all_to_all(send, None, None, group))
-    both = torch.stack([send, recv]).tolist()  # the host synchronisation
-    sent, received = both
-    for src, values in enumerate(received):
-        theirs = values[n:n + len(signature)]
-        if theirs != signature:
-            diffs = ", ".join(f"{name} {mine} here and {other} on rank {src}"
-                              for name, mine, other in zip(_SIGNATURE, signature, theirs)
-                              if mine != other)
-            raise ValueError(
-                f"expert_parallel_moe_ffn: the ranks of the expert-parallel group disagree "
-                f"on the layer: {diffs} (group rank {rank})")
-    bad = [src for src, values in enumerate(received) if values[-1]]
-    if bad:
-        raise ValueError(
-            f"expert_parallel_moe_ffn: expected expert ids in [0, {signature[0]}), but ranks "
-            f"{bad} of the expert-parallel group passed ids out of range")
-    return [([s[c] for s in sent], [r[c] for r in received]) for c in range(n)]
+def _chunk_tokens(x: Tensor, s: int, e: int) -> Tensor:
+    """``x[s:e]``, or one zero row for an empty chunk, which the padding rows of capacity mode
+    point to; differentiable in ``x`` either way."""
+    if e > s:
+        return x[s:e]
+    return torch.cat([x[s:e], x.new_zeros(1, x.size(1))])
 
 
-def _check_args(x, topk_ids, topk_weights, w1, w2, w3, num_experts, num_ranks, num_chunks,
-                capacity_factor):
-    fn = "expert_parallel_moe_ffn"
+def _add(stats: dict, name: str, value: Tensor) -> None:
+    stats[name] = stats[name] + value if name in stats else value
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks):
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got {type(t).__name__}")
     if x.dim() != 2:
-        raise ValueError(f"{fn}: expected x [T, D], got {tuple(x.shape)}")
+        raise ValueError(f"{_FN}: expected x to be 2-D [T, D], but got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{_FN}: expected x.dtype in {list(_DTYPES)}, but got {x.dtype}")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
         raise ValueError(
-            f"{fn}: expected topk_ids and topk_weights of the same shape [T, k], but got "
+            f"{_FN}: expected topk_ids and topk_weights of the same shape [T, k], but got "
             f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
     if topk_ids.size(0) != x.size(0):
-        raise ValueError(f"{fn}: x has {x.size(0)} tokens but topk_ids has {topk_ids.size(0)} rows")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise ValueError(f"{fn}: expected integer topk_ids, got {topk_ids.dtype}")
+        raise ValueError(f"{_FN}: expected topk_ids.size(0) == x.size(0) = {x.size(0)} tokens, "
+                         f"but got {topk_ids.size(0)}")
+    dt = topk_ids.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        raise ValueError(f"{_FN}: expected an integer topk_ids, but got {dt}")
     if not topk_weights.dtype.is_floating_point:
-        raise ValueError(f"{fn}: expected floating topk_weights, got {topk_weights.dtype}")
+        raise ValueError(f"{_FN}: expected a floating topk_weights, but got {topk_weights.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{_FN}: expected {name} on the device of x ({x.device}), but got "
+                             f"{t.device}")
+    if not _is_int(num_experts) or num_experts < 1:
+        raise ValueError(f"{_FN}: expected num_experts to be a positive int, but got "
+                         f"{num_experts!r}")
     if num_experts % num_ranks != 0:
-        raise ValueError(f"{fn}: num_experts={num_experts} is not divisible by the {num_ranks} "
-                         "ranks of the group")
-    if topk_ids.size(1) > num_experts:
-        raise ValueError(f"{fn}: expected top-k ({topk_ids.size(1)}) <= num_experts "
-                         f"({num_experts})")
-    G, D = num_experts // num_ranks, x.size(1)
-    if w1.dim() != 3 or w1.size(0) != G or w1.size(1) != D:
-        raise ValueError(f"{fn}: expected w1_local [{G}, {D}, F] (num_experts / world_size "
-                         f"experts of dim D), got {tuple(w1.shape)}")
-    if w2.dim() != 3 or w2.size(0) != G or w2.size(2) != D:
-        raise ValueError(f"{fn}: expected w2_local [{G}, F, {D}], got {tuple(w2.shape)}")
-    if w3 is not None and w3.shape != w1.shape:
-        raise ValueError(f"{fn}: expected w3_local of the shape of w1_local {tuple(w1.shape)}, "
-                         f"got {tuple(w3.shape)}")
+        raise ValueError(f"{_FN}: expected num_experts divisible by the {num_ranks} ranks of "
+                         f"the group, but got num_experts={num_experts}")
+    k = topk_ids.size(1)
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"{_FN}: expected top-k = topk_ids.size(1) in [1, num_experts = "
+                         f"{num_experts}], but got {k}")
+
+
+def _check_experts(w1, w2, w3, x, G, activation):
+    D = x.size(1)
     for name, w in (("w1_local", w1), ("w2_local", w2), ("w3_local", w3)):
+        if w is None and name != "w3_local":
+            raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got None")
+        if w is not None and not isinstance(w, Tensor):
+            raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got {type(w).__name__}")
         if w is not None and (w.dtype != x.dtype or w.device != x.device):
-            raise ValueError(f"{fn}: expected {name} on {x.device} in {x.dtype} like x, got "
-                             f"{w.device} {w.dtype}")
-    if not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"{fn}: expected num_chunks to be a positive int, got {num_chunks!r}")
-    if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
-        raise ValueError(f"{fn}: expected capacity_factor > 0 or None, got {capacity_factor!r}")
-    if x.dtype not in _DTYPE_CODES:
-        raise ValueError(f"{fn}: expected x in one of {list(_DTYPE_CODES)}, got {x.dtype}")
+            raise ValueError(f"{_FN}: expected {name} on {x.device} in {x.dtype} like x, but "
+                             f"got {w.device} {w.dtype}")
+    if w1.dim() != 3 or w1.size(0) != G or w1.size(1) != D:
+        raise ValueError(f"{_FN}: expected w1_local [{G}, {D}, F] (num_experts / world_size "
+                         f"experts of dim D), but got {tuple(w1.shape)}")
+    if w2.dim() != 3 or w2.size(0) != G or w2.size(2) != D:
+        raise ValueError(f"{_FN}: expected w2_local [{G}, F, {D}], but got {tuple(w2.shape)}")
+    F = w2.size(1)
+    gated = activation in GATED_ACTIVATIONS
+    if w3 is not None and not gated:
+        raise ValueError(f"{_FN}: expected w3_local=None for activation {activation!r}, which "
+                         f"is not gated, but got {tuple(w3.shape)}")
+    if w3 is not None and w3.shape != w1.shape:
+        raise ValueError(f"{_FN}: expected w3_local of the shape of w1_local {tuple(w1.shape)}, "
+                         f"but got {tuple(w3.shape)}")
+    want = 2 * F if gated and w3 is None else F
+    if w1.size(2) != want:
+        raise ValueError(f"{_FN}: expected w1_local.size(2) = {want} ("
+                         f"{'2 * ' if want != F else ''}w2_local.size(1)), but got {w1.size(2)}")
+
+
+def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{_FN}: expected activation in {ACTIVATIONS}, but got {activation!r}")
+    if not isinstance(dedup, bool):
+        raise ValueError(f"{_FN}: expected dedup to be a bool, but got {dedup!r}")
+    if not _is_int(num_chunks) or not 1 <= num_chunks <= _MAX_CHUNKS:
+        raise ValueError(f"{_FN}: expected num_chunks to be an int in [1, {_MAX_CHUNKS}], but "
+                         f"got {num_chunks!r}")
+    if capacity_factor is not None and not (
+            isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"{_FN}: expected capacity_factor to be a finite number > 0 or None, "
+                         f"but got {capacity_factor!r}")
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if not isinstance(v, numbers.Real) or isinstance(v, bool) or math.isnan(v):
+            raise ValueError(f"{_FN}: expected {name} to be a number, but got {v!r}")
 
 
 def expert_parallel_moe_ffn(
@@ -307,7 +589,8 @@ def expert_parallel_moe_ffn(
 
     Args:
         x: this rank's tokens ``[T, D]``.
-        topk_ids: ``[T, k]`` global expert ids in ``[0, num_experts)``.
+        topk_ids: ``[T, k]`` global expert ids in ``[0, num_experts)``; with ``dedup`` distinct
+            within a token.
         topk_weights: ``[T, k]`` routing weights, any floating dtype; differentiable.
         w1_local: ``[E / R, D, F]`` (or fused ``[E / R, D, 2F]``), the experts
             ``rank * E / R ... (rank + 1) * E / R - 1`` of this rank, in the dtype of ``x``.
@@ -317,103 +600,55 @@ def expert_parallel_moe_ffn(
         group: the expert-parallel process group; the default group when None.
         activation, alpha, limit: as in :func:`torch_moe.nn.functional.moe_ffn`.
         dedup: send one row per (token, destination rank) instead of one per assignment.
-        num_chunks: split the tokens into this many chunks whose exchanges overlap the expert
-            compute of the others.
-        capacity_factor: capacity mode (static shapes, no host synchronisation, overflow
-            dropped and counted); None for the exact, synchronising mode.
+        num_chunks: split the tokens into this many chunks (at most 16) whose exchanges
+            overlap the expert compute of the others.
+        capacity_factor: capacity mode (static shapes, overflow dropped and counted); None for
+            the exact mode.
+
+    Every argument but the tokens and their routing (``T`` may differ) must agree on every
+    rank; the ranks compare their signatures first and all raise the same ``ValueError``
+    when they do not.
 
     Returns:
         ``[T, D]`` in the dtype of ``x``: ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
         (dropped assignments excluded in capacity mode).
     """
-    num_ranks = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    _check_args(x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts, num_ranks,
-                num_chunks, capacity_factor)
-    R, G = num_ranks, num_experts // num_ranks
-    T, k = topk_ids.shape
-    D = x.size(1)
-    W = min(k, G) if dedup else 1
-    device = x.device
-    group = group if group is not None else dist.group.WORLD
-
-    # (1) plan every chunk's rows
-    bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    planned = [_order_rows(topk_ids[s:e], G, R, dedup) for s, e in spans]
-    bad_ids = ((topk_ids < 0) | (topk_ids >= num_experts)).any() if T else \
-        torch.zeros((), dtype=torch.bool, device=device)
-
-    # (2) counts, signature and id check: one host synchronisation (none in capacity mode)
-    if capacity_factor is None:
-        signature = [num_experts, D, W, _DTYPE_CODES[x.dtype]]
-        splits = _exchange_counts([p[-1] for p in planned], signature, bad_ids, rank, group)
-        capacities = [None] * len(spans)
-    else:
-        torch._assert_async(~bad_ids, "expert_parallel_moe_ffn: expert ids out of range")
-        splits = [None] * len(spans)
-        capacities = [max(1, math.ceil(capacity_factor * (e - s) * k / R)) for s, e in spans]
-    chunks = [_pack(topk_ids[s:e], topk_weights[s:e], p, G, R, W, c, sp)
-              for (s, e), p, c, sp in zip(spans, planned, capacities, splits)]
-
-    # (3) start every chunk's dispatch
-    in_flight = []
-    for (s, e), ch in zip(spans, chunks):
-        rows = x[s:e].index_select(0, ch.token_N)
-        in_flight.append((
-            all_to_all_differentiable(rows, ch.recv_splits, ch.send_splits, group),
-            all_to_all(ch.ids_NW, ch.recv_splits, ch.send_splits, group),
-            all_to_all_differentiable(ch.weights_NW, ch.recv_splits, ch.send_splits, group),
-        ))
-
-    # (4) local experts chunk by chunk; each result starts back at once
-    returning, load = [], None
-    for ch, (rows, ids, weights) in zip(chunks, in_flight):
-        ids = wait(ids)
-        sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
-        out, _ = torch.ops.torch_moe.grouped_ffn(
-            rows, sorted_ids, offs[:G], weights, w1_local, w2_local, w3_local, activation,
-            alpha, limit)
-        returning.append(all_to_all_differentiable(out, ch.send_splits, ch.recv_splits, group))
-        load = load + counts[:G] if load is not None else counts[:G]
-        if ch.recv_splits is None:
-            _count("rows_received", (ids < G).any(1).sum(), device)
-            _count("rows_received_remote", (ids.view(R, -1, W)[torch.arange(R, device=device) != rank] < G)
-                   .any(2).sum(), device)
-
-    # (5) combine: add the returned rows of each token, fp32
-    ys = []
-    for (s, e), ch, back in zip(spans, chunks, returning):
-        y = torch.zeros(e - s, D, dtype=torch.float32, device=device)
-        ys.append(y.index_add(0, ch.token_N, back.float()))
-    y = torch.cat(ys) if len(ys) > 1 else ys[0]
-
-    _record_traffic(chunks, planned, capacities, rank, R, D, W, x.element_size(), device)
-    _counters()["last_expert_load"] = load
-    return y.to(x.dtype)
+    R = dist.get_world_size(group)
+    _check_tensors(x, topk_ids, topk_weights, num_experts, R)
+    _check_experts(w1_local, w2_local, w3_local, x, num_experts // R, activation)
+    _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
+    layer = _Layer.of(x, topk_ids, num_experts=num_experts, group=group, activation=activation,
+                      alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
+                      capacity_factor=capacity_factor)
+    planned, bad = _plan_rows(topk_ids, layer)
+    splits = _exchange_header(layer, planned, bad)
+    y, stats = _dispatch_chunks(x, topk_ids, topk_weights, w1_local, w2_local, w3_local, layer,
+                                planned, splits)
+    _record_traffic(layer, splits, stats, x.element_size(), x.device)
+    return y
 
 
-def _record_traffic(chunks, planned, capacities, rank, R, D, W, elem_bytes, device):
+def _record_traffic(layer: _Layer, splits: list[_Splits], stats: dict, elem_bytes: int,
+                    device) -> None:
+    rank, D, W = layer.rank, layer.D, layer.W
     dispatch_row = D * elem_bytes + W * (torch.finfo(_WEIGHT_DTYPE).bits // 8
                                          + torch.iinfo(_ID_DTYPE).bits // 8)
     combine_row = D * elem_bytes
     _count("calls", 1, device)
-    for ch, p, cap in zip(chunks, planned, capacities):
-        rows_per_dest = p[-1]
-        if cap is None:
-            sent, recv = sum(ch.send_splits), sum(ch.recv_splits)
-            sent_remote, recv_remote = sent - ch.send_splits[rank], recv - ch.recv_splits[rank]
-            _count("rows_sent", sent, device)
-            _count("rows_received", recv, device)
+    for sp in splits:
+        # wire rows: the rows (padding included) to and from other ranks
+        sent_remote = sum(sp.send) - sp.send[rank]
+        recv_remote = sum(sp.recv) - sp.recv[rank]
+        _count("bytes_sent", sent_remote * dispatch_row + recv_remote * combine_row, device)
+        _count("bytes_received", recv_remote * dispatch_row + sent_remote * combine_row,
+               device)
+        if sp.capacity is None:
+            _count("rows_sent", sum(sp.send), device)
+            _count("rows_received", sum(sp.recv), device)
             _count("rows_sent_remote", sent_remote, device)
             _count("rows_received_remote", recv_remote, device)
-            _count("bytes_sent", sent_remote * dispatch_row + recv_remote * combine_row, device)
-            _count("bytes_received", recv_remote * dispatch_row + sent_remote * combine_row,
-                   device)
-        else:
-            kept = rows_per_dest.clamp(max=cap)
-            _count("rows_sent", kept.sum(), device)
-            _count("rows_sent_remote", kept.sum() - kept[rank], device)
-            wire = (R - 1) * cap * (dispatch_row + combine_row)
-            _count("bytes_sent", wire, device)
-            _count("bytes_received", wire, device)
+    for name in ("rows_sent", "rows_received", "rows_sent_remote", "rows_received_remote",
+                 "dropped"):
+        if name in stats:
+            _count(name, stats[name], device)
+    _counters()["last_expert_load"] = stats["last_expert_load"]
