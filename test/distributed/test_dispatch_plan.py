@@ -179,29 +179,44 @@ class TestDispatchPlan(TestCase):
         self.assertEqual(limited, 4 * 7168 * 2)
         self.assertAlmostEqual(dedup / plain, 64 * (1 - math.comb(252, 8) / math.comb(256, 8)) / 8)
 
+    def test_expected_copies_beyond_exact_terms_matches_binomials(self):
+        # min(k, G) = 2000 terms: past the exact integer ratio, a sum of logarithms
+        E, k, R = 10**7, 2000, 1000
+        exact = R * (1 - math.comb(E - E // R, k) / math.comb(E, k))
+        self.assertAlmostEqual(expected_copies_per_token(E, k, R, dedup=True), exact, places=9)
+        with self.assertRaisesRegex(ValueError, r"expected min\(k, num_experts / num_ranks\) <= "
+                                    r"1000000 for the expectation, but got 2000000"):
+            expected_copies_per_token(10**12, 2 * 10**6, 10**5, dedup=True)
+
     def test_errors(self):
         with self.assertRaises(ValueError) as cm:
             expected_copies_per_token(8, 9, 2, dedup=True)
         self.assertExpectedInline(
-            str(cm.exception), """k=9 experts per token must be between 1 and num_experts=8"""
+            str(cm.exception), """expected k in [1, num_experts=8] experts per token, but got k=9"""
         )
         with self.assertRaises(ValueError) as cm:
             send_counts(torch.zeros(4, 2, dtype=torch.long), 10, 4, dedup=True)
         self.assertExpectedInline(
             str(cm.exception),
-            """num_experts=10 is not divisible by num_ranks=4: expert parallelism places the same number of experts on every rank""",  # noqa: B950
+            """expected num_experts divisible by num_ranks=4 (expert parallelism places the same number of experts on every rank), but got num_experts=10""",  # noqa: B950
         )
-        with self.assertRaisesRegex(ValueError, r"max_ranks=5 must be between 1 and num_ranks=4"):
+        with self.assertRaisesRegex(
+                ValueError, r"expected max_ranks in \[1, num_ranks=4\], but got max_ranks=5"):
             rank_limited_topk(torch.rand(4, 16), 2, num_ranks=4, max_ranks=5)
-        with self.assertRaisesRegex(ValueError, r"k=9 experts cannot be chosen"):
+        with self.assertRaisesRegex(
+                ValueError, r"expected k <= max_ranks \* experts per rank = 8 .*, but got k=9"):
             rank_limited_topk(torch.rand(4, 16), 9, num_ranks=4, max_ranks=2)
-        with self.assertRaisesRegex(ValueError, r"k=17 experts per token"):
+        with self.assertRaisesRegex(
+                ValueError, r"expected k in \[1, num_experts=16\] experts per token, but got k=17"):
             rank_limited_topk(torch.rand(4, 16), 17, num_ranks=4, max_ranks=4)
-        with self.assertRaisesRegex(ValueError, r"not divisible"):
+        with self.assertRaisesRegex(
+                ValueError, r"expected num_experts divisible by num_ranks=3 .*, but got "
+                r"num_experts=16"):
             rank_limited_topk(torch.rand(4, 16), 2, num_ranks=3, max_ranks=1)
-        with self.assertRaisesRegex(ValueError, r"max_ranks=0"):
+        with self.assertRaisesRegex(ValueError, r"expected max_ranks to be an int >= 1, but got 0"):
             expected_copies_per_token(16, 2, 4, dedup=True, max_ranks=0)
-        with self.assertRaisesRegex(ValueError, r"integer tensor"):
+        with self.assertRaisesRegex(
+                ValueError, r"expected topk_ids to be an integer tensor, but got torch.float32"):
             destination_ranks(torch.zeros(2, 2), 4, 2)
 
 

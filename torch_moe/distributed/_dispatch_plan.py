@@ -24,6 +24,7 @@ All tensor functions are vectorised and make no host synchronisation; the range 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -38,43 +39,51 @@ __all__ = [
 ]
 
 
+def _check_int(name: str, value, low: int = 1) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise ValueError(f"expected {name} to be an int >= {low}, but got {value!r}")
+
+
 def _experts_per_rank(num_experts: int, num_ranks: int) -> int:
-    if num_ranks < 1 or num_experts < 1:
-        raise ValueError(
-            f"num_experts and num_ranks must be positive, got num_experts={num_experts}, "
-            f"num_ranks={num_ranks}"
-        )
+    _check_int("num_experts", num_experts)
+    _check_int("num_ranks", num_ranks)
     if num_experts % num_ranks != 0:
         raise ValueError(
-            f"num_experts={num_experts} is not divisible by num_ranks={num_ranks}: expert "
-            "parallelism places the same number of experts on every rank"
+            f"expected num_experts divisible by num_ranks={num_ranks} (expert parallelism "
+            f"places the same number of experts on every rank), but got num_experts={num_experts}"
         )
     return num_experts // num_ranks
 
 
 def _check_k(k: int, num_experts: int) -> None:
-    if not 1 <= k <= num_experts:
-        raise ValueError(
-            f"k={k} experts per token must be between 1 and num_experts={num_experts}"
-        )
+    _check_int("k", k)
+    if k > num_experts:
+        raise ValueError(f"expected k in [1, num_experts={num_experts}] experts per token, but "
+                         f"got k={k}")
 
 
 def _check_max_ranks(max_ranks: int, num_ranks: int, k: int, experts_per_rank: int) -> None:
-    if not 1 <= max_ranks <= num_ranks:
-        raise ValueError(f"max_ranks={max_ranks} must be between 1 and num_ranks={num_ranks}")
+    _check_int("max_ranks", max_ranks)
+    if max_ranks > num_ranks:
+        raise ValueError(f"expected max_ranks in [1, num_ranks={num_ranks}], but got "
+                         f"max_ranks={max_ranks}")
     if k > max_ranks * experts_per_rank:
         raise ValueError(
-            f"k={k} experts cannot be chosen from max_ranks={max_ranks} ranks of "
-            f"{experts_per_rank} experts each"
+            f"expected k <= max_ranks * experts per rank = {max_ranks * experts_per_rank} "
+            f"(k experts chosen from max_ranks={max_ranks} ranks of {experts_per_rank}), but "
+            f"got k={k}"
         )
 
 
 def _check_ids(topk_ids: Tensor) -> None:
+    if not isinstance(topk_ids, Tensor):
+        raise TypeError(f"expected topk_ids to be a Tensor, but got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be 2-D [T, k], got shape {tuple(topk_ids.shape)}")
+        raise ValueError(f"expected topk_ids to be 2-D [T, k], but got shape "
+                         f"{tuple(topk_ids.shape)}")
     dtype = topk_ids.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise ValueError(f"topk_ids must be an integer tensor, got {dtype}")
+        raise ValueError(f"expected topk_ids to be an integer tensor, but got {dtype}")
 
 
 def destination_ranks(topk_ids: Tensor, num_experts: int, num_ranks: int) -> Tensor:
@@ -103,8 +112,12 @@ def dedup_mask(dest: Tensor) -> Tensor:
         ``[T, k]`` bool; ``True`` where ``dest[t, j]`` differs from every ``dest[t, i]`` with
         ``i < j``. Selecting ``dest[mask]`` gives each (token, rank) pair exactly once.
     """
+    if not isinstance(dest, Tensor):
+        raise TypeError(f"expected dest to be a Tensor, but got {type(dest).__name__}")
     if dest.dim() != 2:
-        raise ValueError(f"dest must be 2-D [T, k], got shape {tuple(dest.shape)}")
+        raise ValueError(f"expected dest to be 2-D [T, k], but got shape {tuple(dest.shape)}")
+    if dest.dtype.is_floating_point or dest.dtype.is_complex or dest.dtype == torch.bool:
+        raise ValueError(f"expected dest to be an integer tensor, but got {dest.dtype}")
     k = dest.shape[1]
     # Pairwise comparison within each token is O(T * k^2), cheaper than an O(T * R) one-hot
     # table for the k << R of expert parallelism, and needs no sort.
@@ -173,18 +186,24 @@ def rank_limited_topk(
         score, and the scores at those ids (not normalised; callers that need gates summing to
         one normalise them).
     """
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"expected scores to be a Tensor, but got {type(scores).__name__}")
     if scores.dim() != 2:
-        raise ValueError(f"scores must be 2-D [T, E], got shape {tuple(scores.shape)}")
+        raise ValueError(f"expected scores to be 2-D [T, E], but got shape "
+                         f"{tuple(scores.shape)}")
+    if not scores.dtype.is_floating_point:
+        raise ValueError(f"expected floating scores, but got {scores.dtype}")
     num_tokens, num_experts = scores.shape
     _check_k(k, num_experts)
     experts_per_rank = _experts_per_rank(num_experts, num_ranks)
     _check_max_ranks(max_ranks, num_ranks, k, experts_per_rank)
     if rank_score_topk is None:
         rank_score_topk = min(2, experts_per_rank)
-    if not 1 <= rank_score_topk <= experts_per_rank:
+    _check_int("rank_score_topk", rank_score_topk)
+    if rank_score_topk > experts_per_rank:
         raise ValueError(
-            f"rank_score_topk={rank_score_topk} must be between 1 and the {experts_per_rank} "
-            "experts per rank"
+            f"expected rank_score_topk in [1, {experts_per_rank}] (the experts per rank), but "
+            f"got rank_score_topk={rank_score_topk}"
         )
 
     per_rank = scores.reshape(num_tokens, num_ranks, experts_per_rank)
@@ -237,7 +256,8 @@ def expected_copies_per_token(
 
     Raises:
         ValueError: ``k`` outside ``[1, E]``, ``E`` not divisible by ``R``, ``max_ranks``
-            outside ``[1, R]`` or too small to hold ``k`` experts.
+            outside ``[1, R]`` or too small to hold ``k`` experts, or ``min(k, E / R)`` above
+            a million (the expectation takes that many terms).
     """
     _check_k(k, num_experts)
     experts_per_rank = _experts_per_rank(num_experts, num_ranks)
@@ -247,9 +267,30 @@ def expected_copies_per_token(
         return float(k)
     if max_ranks is not None:
         return float(min(k, max_ranks))
-    # Exact integer binomials; the ratio of two large ints is rounded once by true division.
-    p_missed = math.comb(num_experts - experts_per_rank, k) / math.comb(num_experts, k)
-    return num_ranks * (1.0 - p_missed)
+    return num_ranks * (1.0 - _missed_probability(num_experts, experts_per_rank, k))
+
+
+# Up to this many terms the binomial ratio is exact (integers, one rounding); up to the second
+# bound it is a compensated sum of logarithms (relative error ~1e-15 per term); beyond it the
+# call would take seconds, and no routing has that many experts per token and per rank.
+_EXACT_TERMS = 1024
+_MAX_TERMS = 10**6
+
+
+def _missed_probability(num_experts: int, experts_per_rank: int, k: int) -> float:
+    """``C(E - G, k) / C(E, k)``: none of a token's ``k`` distinct experts is among the ``G`` of
+    a given rank. Equal to ``C(E - k, G) / C(E, G)``, so it takes ``min(k, G)`` terms."""
+    E = num_experts
+    if k > E - experts_per_rank:
+        return 0.0
+    m, other = min(k, experts_per_rank), max(k, experts_per_rank)
+    if m <= _EXACT_TERMS:
+        return math.comb(E - other, m) / math.comb(E, m)
+    if m > _MAX_TERMS:
+        raise ValueError(f"expected min(k, num_experts / num_ranks) <= {_MAX_TERMS} for the "
+                         f"expectation, but got {m}")
+    # prod_{i < m} (E - other - i) / (E - i) = prod (1 - other / (E - i))
+    return math.exp(math.fsum(math.log1p(-other / (E - i)) for i in range(m)))
 
 
 def bytes_per_token(
@@ -267,9 +308,10 @@ def bytes_per_token(
     scales of quantised payloads are not. With ``max_ranks`` the value is an upper bound,
     as in :func:`expected_copies_per_token`.
     """
-    if hidden_dim < 1 or dtype_bytes <= 0:
-        raise ValueError(
-            f"hidden_dim and dtype_bytes must be positive, got {hidden_dim} and {dtype_bytes}"
-        )
+    _check_int("hidden_dim", hidden_dim)
+    if not (isinstance(dtype_bytes, numbers.Real) and not isinstance(dtype_bytes, bool)
+            and math.isfinite(dtype_bytes) and dtype_bytes > 0):
+        raise ValueError(f"expected dtype_bytes to be a finite number > 0, but got "
+                         f"{dtype_bytes!r}")
     copies = expected_copies_per_token(num_experts, k, num_ranks, dedup, max_ranks)
     return copies * hidden_dim * dtype_bytes
