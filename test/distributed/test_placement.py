@@ -8,6 +8,8 @@ Run: ``python -m pytest test/distributed/test_placement.py -q`` from the repo ro
 ``python test/distributed/test_placement.py``.
 """
 
+import time
+
 import torch
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -157,7 +159,7 @@ class TestPlacement(TestCase):
             """plan_placement: expected a non-negative load, but experts [1, 3] have negative load""")
         self.assertExpectedInline(
             self.message(plan_placement, self.load, 8, 7),
-            """plan_placement: 8 ranks x 7 slots = 56 physical slots cannot hold 64 experts""")
+            """plan_placement: expected num_ranks * slots_per_rank >= 64 experts, but got 8 ranks x 7 slots = 56 physical slots""")
         self.assertExpectedInline(
             self.message(plan_placement, self.load, 8.0, 8),
             """plan_placement: expected num_ranks to be a positive integer, but got 8.0""")
@@ -175,6 +177,33 @@ class TestPlacement(TestCase):
         self.assertRaises(ValueError, rebalance_, {}, p, plan_placement(torch.ones(8), 8, 1))
         self.assertRaises(ValueError, Placement.from_phys_to_logical, torch.tensor([0, 0, 2, 2]),
                           2, 3)
+
+    def test_route_rejects_ids_out_of_range(self):
+        # a negative id must not index the tables from the end (expert E - 1's slots)
+        p = naive_placement()
+        for bad in (-1, E):
+            ids = torch.tensor([[0, bad], [3, 4]])
+            with self.assertRaisesRegex(ValueError, rf"expected topk_ids in \[0, {E}\), but got "
+                                        rf"ids in \[{min(bad, 0)}, {max(bad, 4)}\]"):
+                route_to_replicas(ids, p)
+
+    def test_plan_absurd_sizes_fail_fast(self):
+        # 10**9 ranks or 10**12 slots: an error naming the sizes, not minutes of planning
+        for ranks, slots in ((10**9, 1), (2, 10**12)):
+            with self.assertRaisesRegex(ValueError, rf"expected num_ranks \* slots_per_rank <= "
+                                        rf"65536 physical slots, but got {ranks} x {slots}"):
+                plan_placement(torch.ones(8), ranks, slots)
+        with self.assertRaisesRegex(ValueError, r"expected num_logical <= 4 .* but got 10{12}"):
+            Placement.from_phys_to_logical(torch.arange(4), 2, 10**12)
+
+    def test_plan_at_the_size_bound_is_fast(self):
+        # 1024 ranks x 64 slots, every expert with replicas on most ranks: seconds at most
+        load = zipf_load(256, 1.2, 100_000, seed=0)
+        start = time.perf_counter()
+        p = plan_placement(load, 1024, 64)
+        self.assertLess(time.perf_counter() - start, 10.0)
+        self.assertEqual(p.num_physical, 1024 * 64)
+        self.assertEqual(int(p.num_replicas.sum()), 1024 * 64)
 
 
 instantiate_parametrized_tests(TestPlacement)

@@ -19,6 +19,7 @@ sharded contiguously over the expert-parallel group, the way ``Shard(0)`` splits
 """
 
 import heapq
+import math
 import operator
 from dataclasses import dataclass
 
@@ -41,6 +42,34 @@ def _positive_int(fn: str, name: str, value) -> int:
     if value < 1:
         raise ValueError(f"{fn}: expected {name} to be a positive integer, but got {value}")
     return value
+
+
+# Placement is host-side bookkeeping, one Python-list entry per slot while planning: a bound on
+# the physical slots keeps an absurd size an error rather than minutes of planning. 2**16 slots
+# (e.g. 1024 ranks of 64 slots, far above today's layers) plan in about a second.
+MAX_PHYSICAL_SLOTS = 1 << 16
+
+
+def _check_placement_arg(fn: str, name: str, value) -> "Placement":
+    if not isinstance(value, Placement):
+        raise ValueError(f"{fn}: expected {name} to be a Placement, but got "
+                         f"{type(value).__name__}")
+    return value
+
+
+def _check_has_data(fn: str, name: str, t: Tensor) -> None:
+    # the values are read on the host: a meta tensor has none
+    if t.device.type == "meta":
+        raise ValueError(f"{fn}: expected {name} on a device with data (its values are read), "
+                         f"but got a tensor on the meta device")
+
+
+def _check_num_slots(fn: str, num_ranks: int, slots_per_rank: int) -> int:
+    num_slots = num_ranks * slots_per_rank
+    if num_slots > MAX_PHYSICAL_SLOTS:
+        raise ValueError(f"{fn}: expected num_ranks * slots_per_rank <= {MAX_PHYSICAL_SLOTS} "
+                         f"physical slots, but got {num_ranks} x {slots_per_rank} = {num_slots}")
+    return num_slots
 
 
 @dataclass(frozen=True)
@@ -83,23 +112,36 @@ class Placement:
         fn = "Placement.from_phys_to_logical"
         num_ranks = _positive_int(fn, "num_ranks", num_ranks)
         num_logical = _positive_int(fn, "num_logical", num_logical)
-        if not isinstance(phys_to_logical, Tensor) or phys_to_logical.dim() != 1:
-            raise ValueError(f"{fn}: expected phys_to_logical to be a 1-D tensor")
+        if not isinstance(phys_to_logical, Tensor):
+            raise ValueError(f"{fn}: expected phys_to_logical to be a 1-D tensor [P], but got "
+                             f"{type(phys_to_logical).__name__}")
+        if phys_to_logical.dim() != 1:
+            raise ValueError(f"{fn}: expected phys_to_logical to be a 1-D tensor [P], but got "
+                             f"shape {tuple(phys_to_logical.shape)}")
         if phys_to_logical.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{fn}: expected phys_to_logical to be int32 or int64, but got "
                              f"{phys_to_logical.dtype}")
-        p2l = phys_to_logical.detach().to("cpu", torch.int64).clone()
-        num_phys = p2l.numel()
+        _check_has_data(fn, "phys_to_logical", phys_to_logical)
+        num_phys = phys_to_logical.numel()
         if num_phys % num_ranks != 0:
-            raise ValueError(f"{fn}: {num_phys} physical slots do not split evenly over "
-                             f"{num_ranks} ranks")
-        if num_phys > 0 and (p2l.min() < 0 or p2l.max() >= num_logical):
+            raise ValueError(f"{fn}: expected the {num_phys} physical slots to split evenly "
+                             f"over num_ranks = {num_ranks}, but {num_phys} % {num_ranks} = "
+                             f"{num_phys % num_ranks}")
+        _check_num_slots(fn, num_ranks, num_phys // num_ranks)
+        if num_logical > num_phys:
+            raise ValueError(f"{fn}: expected num_logical <= {num_phys} (every expert needs one "
+                             f"of the physical slots), but got {num_logical}")
+        p2l = phys_to_logical.detach().to("cpu", torch.int64).clone()
+        if p2l.min() < 0 or p2l.max() >= num_logical:
             raise ValueError(f"{fn}: expected expert ids in [0, {num_logical}), but got ids in "
                              f"[{p2l.min().item()}, {p2l.max().item()}]")
         num_replicas = torch.bincount(p2l, minlength=num_logical)
         if (num_replicas == 0).any():
-            missing = (num_replicas == 0).nonzero().flatten().tolist()
-            raise ValueError(f"{fn}: experts {missing} have no physical slot")
+            missing = (num_replicas == 0).nonzero().flatten()
+            shown = missing[:8].tolist() + (["..."] if missing.numel() > 8 else [])
+            raise ValueError(f"{fn}: expected every expert in [0, {num_logical}) to have a "
+                             f"physical slot, but experts {shown} ({missing.numel()} in all) "
+                             "have none")
         # A stable sort by expert lists each expert's slots in increasing order; the column of
         # a slot is its position after the first slot of its expert.
         order = torch.sort(p2l, stable=True).indices
@@ -139,6 +181,7 @@ def _check_load(fn: str, load, num_experts=None) -> Tensor:
     if load.dtype == torch.bool or load.is_complex():
         raise ValueError(f"{fn}: expected load to be an integer or floating tensor, but got "
                          f"{load.dtype}")
+    _check_has_data(fn, "load", load)
     if num_experts is not None and load.numel() != num_experts:
         raise ValueError(f"{fn}: expected load of {num_experts} experts, but got "
                          f"{load.numel()}")
@@ -202,12 +245,13 @@ def plan_placement(load: Tensor, num_ranks: int, slots_per_rank: int) -> Placeme
     fn = "plan_placement"
     num_ranks = _positive_int(fn, "num_ranks", num_ranks)
     slots_per_rank = _positive_int(fn, "slots_per_rank", slots_per_rank)
+    num_slots = _check_num_slots(fn, num_ranks, slots_per_rank)
     loadf = _check_load(fn, load)
     num_experts = loadf.numel()
-    num_slots = num_ranks * slots_per_rank
     if num_slots < num_experts:
-        raise ValueError(f"{fn}: {num_ranks} ranks x {slots_per_rank} slots = {num_slots} "
-                         f"physical slots cannot hold {num_experts} experts")
+        raise ValueError(f"{fn}: expected num_ranks * slots_per_rank >= {num_experts} experts, "
+                         f"but got {num_ranks} ranks x {slots_per_rank} slots = {num_slots} "
+                         f"physical slots")
 
     load_list = loadf.tolist()
     replicas = _replica_counts(load_list, num_slots, max_per_expert=num_ranks)
@@ -217,24 +261,47 @@ def plan_placement(load: Tensor, num_ranks: int, slots_per_rank: int) -> Placeme
     items = sorted(((load_list[e] / replicas[e], e, j)
                     for e in range(num_experts) for j in range(replicas[e])),
                    key=lambda it: (-it[0], it[1], it[2]))
-    rank_load = [0.0] * num_ranks
-    free = [slots_per_rank] * num_ranks
-    experts_on = [[] for _ in range(num_ranks)]
-    holds = [set() for _ in range(num_ranks)]
-    for share, e, _ in items:
-        open_ranks = [r for r in range(num_ranks) if free[r] > 0]
-        # Two replicas of one expert on one rank would serve its tokens from one place: no
-        # better than a single replica. Only allow it when every open rank already has one.
-        candidates = [r for r in open_ranks if e not in holds[r]] or open_ranks
-        r = min(candidates, key=lambda r: (rank_load[r], r))
-        rank_load[r] += share
-        free[r] -= 1
-        experts_on[r].append(e)
-        holds[r].add(e)
-
+    experts_on = _assign_to_ranks(items, num_ranks, slots_per_rank)
     phys_to_logical = torch.tensor([e for r in range(num_ranks) for e in sorted(experts_on[r])],
                                    dtype=torch.int64)
     return Placement.from_phys_to_logical(phys_to_logical, num_ranks, num_experts)
+
+
+def _assign_to_ranks(items: list, num_ranks: int, slots_per_rank: int) -> list:
+    """Places each ``(share, expert, replica)`` of ``items``, in order, on the least loaded rank
+    (lowest index on ties) that has a free slot and holds no replica of the expert yet, or on
+    the least loaded rank with a free slot when every one of them holds one. Returns the
+    experts of each rank.
+
+    A heap of ``(load, rank)`` over the ranks with free slots finds that rank in ``O(log R)``,
+    skipping the ranks that hold the expert; when every open rank holds it, the top of the
+    heap is the answer, so no step scans all the ranks."""
+    # Two replicas of one expert on one rank would serve its tokens from one place: no better
+    # than a single replica, hence the preference for ranks without one.
+    heap = [(0.0, r) for r in range(num_ranks)]  # (load, rank) of the ranks with a free slot
+    free = [slots_per_rank] * num_ranks
+    experts_on = [[] for _ in range(num_ranks)]
+    holds = [set() for _ in range(num_ranks)]
+    open_holders: dict = {}  # expert -> how many ranks in the heap hold it
+    for share, e, _ in items:
+        skipped = []
+        if open_holders.get(e, 0) < len(heap):
+            while e in holds[heap[0][1]]:
+                skipped.append(heapq.heappop(heap))
+        rank_load, r = heapq.heappop(heap)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        free[r] -= 1
+        experts_on[r].append(e)
+        if e not in holds[r]:
+            holds[r].add(e)
+            open_holders[e] = open_holders.get(e, 0) + 1
+        if free[r] > 0:
+            heapq.heappush(heap, (rank_load + share, r))
+        else:  # the rank leaves the heap: it no longer counts as an open holder
+            for held in holds[r]:
+                open_holders[held] -= 1
+    return experts_on
 
 
 def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
@@ -245,7 +312,9 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
     ``n % num_replicas[e]``: every replica of e receives the same number of e's assignments, up
     to one, and the result depends only on ``topk_ids``. Counting is done with a stable sort
     and a ``searchsorted``, so everything stays on the ids' device with no host
-    synchronisation (and the expert ids are therefore not range-checked here).
+    synchronisation. An id outside ``[0, E)`` raises (a negative one would index the tables
+    from the end): on the CPU a ``ValueError`` naming the ids' range, elsewhere an on-device
+    assert, which needs no host synchronisation either.
 
     Args:
         topk_ids: ``[T, k]`` int32 or int64 logical expert ids, in ``[0, E)``.
@@ -255,13 +324,19 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
         ``[T, k]`` physical slot ids, in ``[0, R * S)``, of the same dtype and device.
     """
     fn = "route_to_replicas"
-    if not isinstance(topk_ids, Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"{fn}: expected topk_ids to be a 2-D tensor [T, k]")
+    if not isinstance(topk_ids, Tensor):
+        raise ValueError(f"{fn}: expected topk_ids to be a 2-D tensor [T, k], but got "
+                         f"{type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"{fn}: expected topk_ids to be a 2-D tensor [T, k], but got shape "
+                         f"{tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{fn}: expected topk_ids to be int32 or int64, but got "
                          f"{topk_ids.dtype}")
+    _check_placement_arg(fn, "placement", placement)
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
+    _check_logical_ids(fn, flat, placement.num_logical)
     sorted_ids, order = torch.sort(flat, stable=True)
     # position of each assignment among the assignments to its expert: its index in the sorted
     # list minus the index of the expert's first assignment there
@@ -273,6 +348,35 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
     replica = occurrence % num_replicas[flat]
     phys = logical_to_phys[flat, replica]
     return phys.view(topk_ids.shape).to(topk_ids.dtype)
+
+
+def _check_logical_ids(fn: str, flat: Tensor, num_logical: int) -> None:
+    """Expert ids ``flat [N]`` int64 must lie in ``[0, E)``: a negative id would index the
+    tables from the end and send tokens to the last experts' slots."""
+    if flat.numel() == 0 or flat.device.type == "meta":
+        return
+    bad = (flat < 0) | (flat >= num_logical)
+    if flat.device.type == "cpu":  # reading the values costs no synchronisation here
+        if bad.any():
+            raise ValueError(f"{fn}: expected topk_ids in [0, {num_logical}), but got ids in "
+                             f"[{flat.min().item()}, {flat.max().item()}]")
+    else:
+        torch._assert_async(~bad.any(), f"{fn}: expected topk_ids in [0, {num_logical}), but "
+                            "got an id outside it")
+
+
+def _check_same_experts(fn: str, old: "Placement", new: "Placement") -> None:
+    _check_placement_arg(fn, "old", old)
+    _check_placement_arg(fn, "new", new)
+    if old.num_logical != new.num_logical:
+        raise ValueError(f"{fn}: expected old and new placements of the same number of logical "
+                         f"experts, but got {old.num_logical} (old) and {new.num_logical} (new)")
+
+
+def _check_state(fn: str, state) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"{fn}: expected state to be a dict of tensors, but got "
+                         f"{type(state).__name__}")
 
 
 def rebalance_(state: dict, old: Placement, new: Placement) -> dict:
@@ -298,9 +402,8 @@ def rebalance_(state: dict, old: Placement, new: Placement) -> dict:
         ``state``, its tensors now ``[new.num_physical, ...]`` and copied bit for bit.
     """
     fn = "rebalance_"
-    if old.num_logical != new.num_logical:
-        raise ValueError(f"{fn}: old and new placements must have the same number of logical "
-                         f"experts, but got {old.num_logical} and {new.num_logical}")
+    _check_state(fn, state)
+    _check_same_experts(fn, old, new)
     src = old.logical_to_phys[:, 0][new.phys_to_logical]
     for name, t in state.items():
         if isinstance(t, Tensor) and t.dim() > 0 and t.size(0) != old.num_physical:
@@ -335,10 +438,9 @@ def rebalance_distributed_(state: dict, old: Placement, new: Placement, group=No
     import torch.distributed as dist
 
     fn = "rebalance_distributed_"
+    _check_state(fn, state)
+    _check_same_experts(fn, old, new)
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    if old.num_logical != new.num_logical:
-        raise ValueError(f"{fn}: old and new placements must have the same number of logical "
-                         f"experts, but got {old.num_logical} and {new.num_logical}")
     if old.num_ranks != R or new.num_ranks != R:
         raise ValueError(f"{fn}: expected placements over the {R} ranks of the group, but got "
                          f"{old.num_ranks} (old) and {new.num_ranks} (new)")
@@ -372,11 +474,33 @@ def rebalance_distributed_(state: dict, old: Placement, new: Placement, group=No
     return state
 
 
+# the draws are materialised (8 bytes each): 2**26 of them take about a second
+_MAX_ZIPF_DRAWS = 1 << 26
+
+
 def zipf_load(num_experts: int, exponent: float, total: int, seed: int) -> Tensor:
     """A skewed synthetic expert load for planning experiments: ``total`` assignments drawn
     i.i.d. with probability proportional to ``1 / rank**exponent``, where the experts' ranks are
     a random permutation (hot experts are not simply the first ids). Returns ``[E]`` int64
     counts, like ``MoE.tokens_per_expert``; the same arguments give the same counts."""
+    fn = "zipf_load"
+    num_experts = _positive_int(fn, "num_experts", num_experts)
+    if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not (
+            math.isfinite(exponent) and exponent >= 0):
+        raise ValueError(f"{fn}: expected exponent to be a finite number >= 0, but got "
+                         f"{exponent!r}")
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"{fn}: expected total to be an int >= 0, but got {total!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{fn}: expected seed to be an int, but got {seed!r}")
+    # one int64 per draw and per expert: bound both so that an absurd size fails fast
+    if num_experts > MAX_PHYSICAL_SLOTS:
+        raise ValueError(f"{fn}: expected num_experts <= {MAX_PHYSICAL_SLOTS}, but got "
+                         f"{num_experts}")
+    if total > _MAX_ZIPF_DRAWS:
+        raise ValueError(f"{fn}: expected total <= {_MAX_ZIPF_DRAWS} draws, but got {total}")
+    if total == 0:
+        return torch.zeros(num_experts, dtype=torch.int64)
     gen = torch.Generator().manual_seed(seed)
     popularity = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-exponent)
     probs = popularity[torch.randperm(num_experts, generator=gen)]
