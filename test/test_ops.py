@@ -4,6 +4,7 @@ determinism and the fixes over ``aten::_grouped_mm``."""
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.testing._internal.common_device_type import (
     instantiate_device_type_tests,
     ops,
@@ -265,7 +266,8 @@ class TestPaddingReadsNoRow(TestCase):
         y[0] = self.NAN
         y[5] = self.INF
         grad = torch.randn(3, 4, dtype=torch.float64)
-        grad_y, grad_w = moe_ops.unpermute_backward(grad, y, sorted_ids, topk_weights)
+        grad_y, grad_w = moe_ops.unpermute_backward(grad, y, sorted_ids, topk_weights,
+                                                  [True, True])
         # reference: autograd through the loop, with the unread values replaced by finite ones
         y_ref = y.nan_to_num(0, 0, 0).requires_grad_()
         w_ref = topk_weights.nan_to_num(0).requires_grad_()
@@ -371,7 +373,7 @@ class TestPaddingReadsNoRow(TestCase):
         grad = torch.randn(T, D, generator=g, dtype=torch.float64)
         grad[0] = self.NAN  # token 0 has no slot
         got = moe_ops.grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3,
-                                           hidden, "swiglu", 1.702, 7.0)
+                                           hidden, "swiglu", 1.702, 7.0, [True] * 5)
         exp = torch.autograd.grad(ref, leaves, grad[1:])
         zero_row = lambda t: torch.cat([torch.zeros_like(t[:1]), t])
         exp = [zero_row(exp[0]), zero_row(exp[1]), *exp[2:]]
@@ -381,6 +383,116 @@ class TestPaddingReadsNoRow(TestCase):
 
 
 instantiate_parametrized_tests(TestPaddingReadsNoRow)
+
+
+class _CountGemms(TorchDispatchMode):
+    """Counts the GEMMs (aten.mm / aten.addmm, any overload) run under it, also those inside the
+    CPU kernels of torch_moe ops, which run with the mode pushed again."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "torch_moe":
+            with self:
+                cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+                return func.redispatch(cpu, *args, **kwargs)
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.gemms += 1
+        return func(*args, **kwargs)
+
+
+class TestOutputMask(TestCase):
+    """The backward ops compute only the gradients that ``output_mask`` requests (aten's
+    ``convolution_backward`` convention); the others are empty tensors, never allocated."""
+
+    def _ffn(self, fused=False, requires_grad=(True, True, True)):
+        g = torch.Generator().manual_seed(0)
+        T, k, E, D, F = 12, 2, 4, 8, 6
+        topk_ids = make_topk_ids(T, E, k, "random", "cpu", g)
+        sorted_ids, offs, _ = moe_ops.token_sort(topk_ids, E, 4)
+        x = torch.randn(T, D, generator=g, dtype=torch.float64)
+        topk_weights = torch.rand(T, k, generator=g, dtype=torch.float64)
+        w1 = torch.randn(E, D, 2 * F if fused else F, generator=g, dtype=torch.float64)
+        w3 = None if fused else torch.randn(E, D, F, generator=g, dtype=torch.float64)
+        w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64)
+        groups = int((torch.diff(offs, prepend=offs.new_zeros(1)) > 0).sum())
+        return x, sorted_ids, offs, topk_weights, w1, w2, w3, groups
+
+    def _backward_gemms(self, args, trainable: bool) -> int:
+        x, sorted_ids, offs, topk_weights, w1, w2, w3 = [
+            a.detach().requires_grad_(a.is_floating_point() and (trainable or i in (0, 3)))
+            if isinstance(a, torch.Tensor) else a
+            for i, a in enumerate(args)
+        ]
+        out, _ = moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3)
+        with _CountGemms() as mode:
+            out.backward(torch.ones_like(out))
+        for w in (w1, w2, w3):
+            if w is not None:
+                self.assertEqual(w.grad is not None, trainable)
+        return mode.gemms
+
+    @parametrize("fused", [True, False])
+    def test_grouped_ffn_frozen_experts_skip_weight_gradients(self, fused):
+        *args, groups = self._ffn(fused)
+        trainable = self._backward_gemms(args, trainable=True)
+        frozen = self._backward_gemms(args, trainable=False)
+        weights = 2 if fused else 3
+        # one weight-gradient GEMM per weight and non-empty group is skipped
+        self.assertEqual(frozen, trainable - weights * groups)
+
+    def _check_masks(self, op, args, n, mask_arg=-1, fake=True):
+        full = op(*args, [True] * n)
+        for bits in range(2 ** n):
+            mask = [bool(bits >> i & 1) for i in range(n)]
+            got = op(*args, mask)
+            for want, a, f in zip(mask, got, full):
+                if want:
+                    self.assertEqual(a, f, atol=0, rtol=0)
+                else:
+                    self.assertEqual(a.numel(), 0, f"{op}: output not requested by {mask}")
+            if fake:
+                with FakeTensorMode() as mode:
+                    conv = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                    fakes = op(*[conv(a) for a in args], mask)
+                for a, f in zip(got, fakes):
+                    self.assertEqual((a.shape, a.dtype), (f.shape, f.dtype))
+
+    @parametrize("fused", [True, False])
+    def test_grouped_ffn_backward(self, fused):
+        x, sorted_ids, offs, topk_weights, w1, w2, w3, _ = self._ffn(fused)
+        out, hidden = moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3)
+        grad = torch.randn_like(out)
+        args = (grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, "swiglu", 1.702, 7.0)
+        self._check_masks(moe_ops.grouped_ffn_backward, args, 5)
+
+    def test_indexed_grouped_mm_backward(self):
+        g = torch.Generator().manual_seed(0)
+        offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+        gather = torch.tensor([0, 4, -1, 2, 1, 3, -1, 0])
+        scatter = torch.tensor([1, 0, 2, -1, 2, 3, 4, 1])
+        input = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        weight = torch.randn(3, 4, 3, generator=g, dtype=torch.float64)
+        sw = torch.rand(8, generator=g, dtype=torch.float64)
+        grad = torch.randn(5, 3, generator=g, dtype=torch.float64)
+        args = (grad, input, weight, offs, gather, scatter, sw)
+        self._check_masks(moe_ops.indexed_grouped_mm_backward, args, 3)
+
+    def test_unpermute_backward(self):
+        g = torch.Generator().manual_seed(0)
+        topk_ids = make_topk_ids(6, 3, 2, "random", "cpu", g)
+        sorted_ids, _, _ = moe_ops.token_sort(topk_ids, 3, 4)
+        y = torch.randn(sorted_ids.numel(), 5, generator=g, dtype=torch.float64)
+        topk_weights = torch.rand(6, 2, generator=g, dtype=torch.float64)
+        grad = torch.randn(6, 5, generator=g, dtype=torch.float64)
+        self._check_masks(moe_ops.unpermute_backward, (grad, y, sorted_ids, topk_weights), 2)
+
+
+instantiate_parametrized_tests(TestOutputMask)
+
 
 
 instantiate_device_type_tests(TestMoEOps, globals(), only_for="cpu")

@@ -52,12 +52,9 @@ def _unpermute_setup(ctx, inputs, output):
 @_register("unpermute", _unpermute_setup)
 def _unpermute_backward(ctx, grad):
     y, sorted_ids, topk_weights = ctx.saved_tensors
-    grad_y, grad_w = ops.unpermute_backward(grad, y, sorted_ids, topk_weights)
-    return (
-        grad_y if ctx.needs_input_grad[0] else None,
-        None,
-        grad_w if ctx.needs_input_grad[2] else None,
-    )
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+    grad_y, grad_w = ops.unpermute_backward(grad, y, sorted_ids, topk_weights, mask)
+    return grad_y if mask[0] else None, None, grad_w if mask[1] else None
 
 
 # grouped_mm: every layout's gradients are grouped_mm calls in another layout.
@@ -129,19 +126,21 @@ def _grouped_ffn_setup(ctx, inputs, output):
 @_register("grouped_ffn", _grouped_ffn_setup)
 def _grouped_ffn_backward(ctx, grad, _grad_hidden):
     x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    # frozen experts (weights without requires_grad) skip their weight-gradient GEMMs
+    mask = [need[0], need[3], need[4], need[5], w3 is not None and need[6]]
     grad_x, grad_topk, grad_w1, grad_w2, grad_w3 = ops.grouped_ffn_backward(
         grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, ctx.activation, ctx.alpha,
-        ctx.limit,
+        ctx.limit, mask,
     )
-    need = ctx.needs_input_grad
     return (
-        grad_x if need[0] else None,
+        grad_x if mask[0] else None,
         None,
         None,
-        grad_topk if need[3] else None,
-        grad_w1 if need[4] else None,
-        grad_w2 if need[5] else None,
-        grad_w3 if w3 is not None and need[6] else None,
+        grad_topk if mask[1] else None,
+        grad_w1 if mask[2] else None,
+        grad_w2 if mask[3] else None,
+        grad_w3 if mask[4] else None,
         None,
         None,
         None,

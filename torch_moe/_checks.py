@@ -8,6 +8,11 @@ op, say what was expected and what was given.
 
 import torch
 
+# Expert ids are int32 or int64 and group ends int32: no more experts, nor sorted slots, than
+# an int32 counts.
+MAX_EXPERTS = 2**31 - 1
+MAX_SLOTS = 2**31 - 1
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -65,6 +70,38 @@ def check_size(op: str, name: str, t: torch.Tensor, dim: int, expected, what: st
     )
 
 
+def check_same_shape(op: str, name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    torch._check(
+        t.shape == like.shape,
+        lambda: f"{op}: expected {name} to have the shape of {like_name} {tuple(like.shape)}, "
+        f"but got {tuple(t.shape)}",
+    )
+
+
+def check_output_mask(op: str, output_mask, outputs: tuple) -> None:
+    torch._check(
+        len(output_mask) == len(outputs),
+        lambda: f"{op}: expected output_mask of length {len(outputs)} (one flag for each of "
+        f"{', '.join(outputs)}), but got length {len(output_mask)}",
+    )
+
+
+# The largest row count an output may have: its storage of rows * cols elements of itemsize bytes
+# must be addressable (an int64 byte count), or allocation fails with a generic overflow error.
+_MAX_BYTES = 2**63 - 1
+
+
+def check_num_rows(op: str, name: str, rows, cols, itemsize: int) -> None:
+    """``rows`` (a size argument) is >= 0 and a [rows, cols] output is addressable."""
+    torch._check(rows >= 0, lambda: f"{op}: expected {name} >= 0, but got {rows}")
+    limit = _MAX_BYTES // (max(cols, 1) * itemsize)
+    torch._check(
+        rows <= limit,
+        lambda: f"{op}: expected {name} <= {limit} (an output of {name} x {cols} elements of "
+        f"{itemsize} bytes must be addressable), but got {rows}",
+    )
+
+
 def check_offs(op: str, offs: torch.Tensor) -> None:
     check_dim(op, "offs", offs, 1)
     check_index(op, "offs", offs, (torch.int32,))
@@ -84,13 +121,26 @@ def check_token_sort(topk_ids: torch.Tensor, num_experts: int, align: int) -> No
     op = "torch_moe.token_sort"
     check_dim(op, "topk_ids", topk_ids, 2)
     check_index(op, "topk_ids", topk_ids)
-    torch._check(num_experts >= 1, lambda: f"{op}: expected num_experts >= 1, but got {num_experts}")
-    torch._check(align >= 1, lambda: f"{op}: expected align >= 1, but got {align}")
+    torch._check(
+        1 <= num_experts <= MAX_EXPERTS,
+        lambda: f"{op}: expected num_experts in [1, {MAX_EXPERTS}], but got {num_experts}",
+    )
+    torch._check(
+        1 <= align <= MAX_SLOTS,
+        lambda: f"{op}: expected align in [1, {MAX_SLOTS}], but got {align}",
+    )
     k = topk_ids.size(1)
     torch._check(
         k <= num_experts,
         lambda: f"{op}: expected top-k ({k}) <= num_experts ({num_experts}): a token cannot "
         "pick the same expert twice",
+    )
+    S = token_sort_num_slots(topk_ids.numel(), num_experts, align)
+    torch._check(
+        S <= MAX_SLOTS,
+        lambda: f"{op}: expected the number of sorted slots T * k + num_experts * (align - 1) "
+        f"<= {MAX_SLOTS} (offs is int32), but got {S} (num_experts={num_experts}, "
+        f"align={align})",
     )
 
 
@@ -107,8 +157,18 @@ def check_permute(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int) -> None
     torch._check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
 
 
-def check_unpermute(y: torch.Tensor, sorted_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    op = "torch_moe.unpermute"
+def check_permute_backward(grad, sorted_ids, top_k, num_tokens) -> None:
+    op = "torch_moe.permute_backward"
+    check_dim(op, "grad", grad, 2)
+    check_float(op, "grad", grad)
+    check_sorted_ids(op, sorted_ids)
+    check_same_device(op, {"grad": grad, "sorted_ids": sorted_ids})
+    check_size(op, "grad", grad, 0, sorted_ids.size(0), "sorted_ids.size(0)")
+    torch._check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
+    check_num_rows(op, "num_tokens", num_tokens, grad.size(1), grad.dtype.itemsize)
+
+
+def check_unpermute(y, sorted_ids, topk_weights, op: str = "torch_moe.unpermute") -> None:
     check_dim(op, "y", y, 2)
     check_sorted_ids(op, sorted_ids)
     check_dim(op, "topk_weights", topk_weights, 2)
@@ -116,6 +176,17 @@ def check_unpermute(y: torch.Tensor, sorted_ids: torch.Tensor, topk_weights: tor
     check_float(op, "topk_weights", topk_weights)
     check_same_device(op, {"y": y, "sorted_ids": sorted_ids, "topk_weights": topk_weights})
     check_size(op, "y", y, 0, sorted_ids.size(0), "sorted_ids.size(0)")
+
+
+def check_unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask) -> None:
+    op = "torch_moe.unpermute_backward"
+    check_unpermute(y, sorted_ids, topk_weights, op)
+    check_dim(op, "grad", grad, 2)
+    check_same_dtype(op, {"y": y, "grad": grad})
+    check_same_device(op, {"y": y, "grad": grad})
+    check_size(op, "grad", grad, 0, topk_weights.size(0), "the number of tokens topk_weights.size(0)")
+    check_size(op, "grad", grad, 1, y.size(1), "y.size(1)")
+    check_output_mask(op, output_mask, ("grad_y", "grad_topk_weights"))
 
 
 def check_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
@@ -150,10 +221,10 @@ def grouped_mm_out_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
 
 
 def check_indexed_grouped_mm(
-    input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
+    input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows,
+    op: str = "torch_moe.indexed_grouped_mm",
 ):
     """Returns the number of sorted slots S."""
-    op = "torch_moe.indexed_grouped_mm"
     check_dim(op, "input", input, 2)
     check_dim(op, "weight", weight, 3)
     check_float(op, "input", input)
@@ -180,6 +251,8 @@ def check_indexed_grouped_mm(
             lambda: f"{op}: expected num_out_rows >= 0 when scatter_index is given, "
             f"but got {num_out_rows}",
         )
+        # the output is accumulated in fp32 (fp64 for fp64 inputs)
+        check_num_rows(op, "num_out_rows", num_out_rows, weight.size(2), 8)
     else:
         torch._check(
             num_out_rows == -1,
@@ -192,13 +265,32 @@ def check_indexed_grouped_mm(
     return num_slots
 
 
+def check_indexed_grouped_mm_backward(
+    grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+):
+    """Returns the number of sorted slots S."""
+    op = "torch_moe.indexed_grouped_mm_backward"
+    check_dim(op, "grad", grad, 2)
+    num_out_rows = grad.size(0) if scatter_index is not None else -1
+    S = check_indexed_grouped_mm(
+        input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows, op
+    )
+    check_same_dtype(op, {"input": input, "grad": grad})
+    check_same_device(op, {"input": input, "grad": grad})
+    if scatter_index is None:
+        check_size(op, "grad", grad, 0, S, "the number of sorted slots")
+    check_size(op, "grad", grad, 1, weight.size(2), "weight.size(2)")
+    check_output_mask(op, output_mask, ("grad_input", "grad_weight", "grad_scatter_weight"))
+    return S
+
+
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu")
 
 
-def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation):
+def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
+                      op: str = "torch_moe.grouped_ffn"):
     """Returns (E, F): the number of experts and the FFN dim."""
-    op = "torch_moe.grouped_ffn"
     torch._check(
         activation in ACTIVATIONS,
         lambda: f"{op}: expected activation to be one of {ACTIVATIONS}, but got {activation!r}",
@@ -238,4 +330,22 @@ def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
         check_size(op, "w1", w1, 2, 2 * F, "2 * w2.size(1) for a fused gate/up weight")
     else:
         check_size(op, "w1", w1, 2, F, "the FFN dim w2.size(1)")
+    return E, F
+
+
+def check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
+                               activation, output_mask):
+    """Returns (E, F): the number of experts and the FFN dim."""
+    op = "torch_moe.grouped_ffn_backward"
+    E, F = check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, op)
+    check_same_shape(op, "grad", grad, "x", x)
+    check_dim(op, "hidden", hidden, 2)
+    check_same_dtype(op, {"x": x, "grad": grad, "hidden": hidden})
+    check_same_device(op, {"x": x, "grad": grad, "hidden": hidden})
+    width = 2 * F if activation in GATED_ACTIVATIONS else F
+    check_size(op, "hidden", hidden, 0, sorted_ids.size(0), "sorted_ids.size(0)")
+    check_size(op, "hidden", hidden, 1, width, "the width of the pre-activations")
+    check_output_mask(
+        op, output_mask, ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "grad_w3")
+    )
     return E, F

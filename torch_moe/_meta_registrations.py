@@ -46,6 +46,7 @@ def permute_out_meta(x, sorted_ids, top_k, *, out):
 
 @_register("permute_backward")
 def permute_backward_meta(grad, sorted_ids, top_k, num_tokens):
+    _checks.check_permute_backward(grad, sorted_ids, top_k, num_tokens)
     return grad.new_empty((num_tokens, grad.size(1)))
 
 
@@ -55,11 +56,15 @@ def unpermute_meta(y, sorted_ids, topk_weights):
     return y.new_empty((topk_weights.size(0), y.size(1)))
 
 
+def _grad_like(t: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """The gradient of ``t`` if requested by the output mask, else an empty tensor."""
+    return t.new_empty(t.shape) if wanted else t.new_empty((0,))
+
+
 @_register("unpermute_backward")
-def unpermute_backward_meta(grad, y, sorted_ids, topk_weights):
-    return torch.empty_like(y, memory_format=torch.contiguous_format), torch.empty_like(
-        topk_weights, memory_format=torch.contiguous_format
-    )
+def unpermute_backward_meta(grad, y, sorted_ids, topk_weights, output_mask):
+    _checks.check_unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask)
+    return _grad_like(y, output_mask[0]), _grad_like(topk_weights, output_mask[1])
 
 
 @_register("grouped_mm")
@@ -84,12 +89,15 @@ def indexed_grouped_mm_meta(
 def indexed_grouped_mm_backward_meta(
     grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
 ):
+    _checks.check_indexed_grouped_mm_backward(
+        grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+    )
+    want_input, want_weight, want_sw = output_mask
     grad_sw = (
-        input.new_empty((scatter_weight.size(0),), dtype=scatter_weight.dtype)
-        if scatter_weight is not None
+        _grad_like(scatter_weight, want_sw) if scatter_weight is not None
         else input.new_empty((0,))
     )
-    return input.new_empty(input.shape), weight.new_empty(weight.shape), grad_sw
+    return _grad_like(input, want_input), _grad_like(weight, want_weight), grad_sw
 
 
 @_register("grouped_ffn")
@@ -102,12 +110,14 @@ def grouped_ffn_meta(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activat
 
 @_register("grouped_ffn_backward")
 def grouped_ffn_backward_meta(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
-                              activation, alpha, limit):
-    grad_w3 = w3.new_empty(w3.shape) if w3 is not None else w1.new_empty((0,))
+                              activation, alpha, limit, output_mask):
+    _checks.check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
+                                       activation, output_mask)
+    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
     return (
-        x.new_empty(x.shape),
-        topk_weights.new_empty(topk_weights.shape),
-        w1.new_empty(w1.shape),
-        w2.new_empty(w2.shape),
-        grad_w3,
+        _grad_like(x, want_x),
+        _grad_like(topk_weights, want_topk),
+        _grad_like(w1, want_w1),
+        _grad_like(w2, want_w2),
+        _grad_like(w3, want_w3) if w3 is not None else w1.new_empty((0,)),
     )

@@ -41,9 +41,11 @@ lib.define(
 )
 lib.define("permute_backward(Tensor grad, Tensor sorted_ids, int top_k, SymInt num_tokens) -> Tensor", tags=_PT2)
 lib.define("unpermute(Tensor y, Tensor sorted_ids, Tensor topk_weights) -> Tensor", tags=_PT2)
+# Backward ops take the output_mask of aten::convolution_backward: an output whose entry is False
+# is not computed and is returned as an empty tensor of shape [0].
 lib.define(
-    "unpermute_backward(Tensor grad, Tensor y, Tensor sorted_ids, Tensor topk_weights) "
-    "-> (Tensor grad_y, Tensor grad_topk_weights)",
+    "unpermute_backward(Tensor grad, Tensor y, Tensor sorted_ids, Tensor topk_weights, "
+    "bool[2] output_mask) -> (Tensor grad_y, Tensor grad_topk_weights)",
     tags=_PT2,
 )
 
@@ -81,7 +83,7 @@ lib.define(
 lib.define(
     "grouped_ffn_backward(Tensor grad, Tensor x, Tensor sorted_ids, Tensor offs, "
     "Tensor topk_weights, Tensor w1, Tensor w2, Tensor? w3, Tensor hidden, str activation, "
-    "float alpha, float limit) "
+    "float alpha, float limit, bool[5] output_mask) "
     "-> (Tensor grad_x, Tensor grad_topk_weights, Tensor grad_w1, Tensor grad_w2, Tensor grad_w3)",
     tags=_PT2,
 )

@@ -81,9 +81,25 @@ def _check_index_range(op: str, name: str, index: torch.Tensor, high: int, allow
     return lo < 0
 
 
+def _check_unique_assignments(op: str, sorted_ids: torch.Tensor, num_assignments: int) -> None:
+    """Each assignment t * k + j occurs at most once in ``sorted_ids`` (-1 padding any number of
+    times): a duplicate would count a token twice in a sum that its backward cannot invert.
+    One bincount, with padding shifted into a bin of its own."""
+    if sorted_ids.numel() == 0 or num_assignments == 0:
+        return
+    counts = torch.bincount(sorted_ids + 1, minlength=num_assignments + 1)[1:]
+    most, assignment = (int(v) for v in torch.max(counts, 0))
+    torch._check(
+        most <= 1,
+        lambda: f"{op}: expected each assignment t * k + j at most once in sorted_ids, but "
+        f"assignment {assignment} appears {most} times",
+    )
+
+
 def _token_rows(op: str, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
     """Token row of each sorted slot (0 for padding) and the padding mask (None if no padding)."""
     has_pad = _check_index_range(op, "sorted_ids", sorted_ids, num_tokens * top_k, True)
+    _check_unique_assignments(op, sorted_ids, num_tokens * top_k)
     rows = torch.div(sorted_ids, top_k, rounding_mode="floor")
     if not has_pad:
         return rows, None
@@ -104,23 +120,30 @@ def _slot_weights(topk_weights, sorted_ids, pad, dtype):
 def _inverse_slots(op: str, sorted_ids: torch.Tensor, num_assignments: int):
     """slot[a] = i where sorted_ids[i] == a, and whether every assignment has a slot.
 
-    Assignments must appear at most once: with duplicates the inverse would be ambiguous.
+    ``sorted_ids`` must be range-checked; assignments must appear at most once, or the inverse
+    would be ambiguous.
     """
+    _check_unique_assignments(op, sorted_ids, num_assignments)
     valid = sorted_ids >= 0
     ids = sorted_ids[valid] if not bool(valid.all()) else sorted_ids
     positions = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
     if ids.numel() != sorted_ids.numel():
         positions = positions[valid]
-    if ids.numel():
-        most = int(torch.bincount(ids, minlength=num_assignments).max())
-        torch._check(
-            most <= 1,
-            lambda: f"{op}: expected each assignment t * k + j at most once in "
-            f"sorted_ids, but one appears {most} times",
-        )
     slot = torch.full((num_assignments,), -1, dtype=torch.int64, device=sorted_ids.device)
     slot[ids] = positions
     return slot, ids.numel() == num_assignments
+
+
+def _index_add_rows_(acc: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """acc[rows[i]] += src[i]. With no rows in ``acc`` every slot is padding (the indices are
+    range-checked), whose rows of ``src`` are zero: nothing to add."""
+    if acc.size(0):
+        acc.index_add_(0, rows, src if src.dtype == acc.dtype else src.to(acc.dtype))
+
+
+def _empty_output(like: torch.Tensor) -> torch.Tensor:
+    """An output that ``output_mask`` does not request: nothing computed, nothing allocated."""
+    return like.new_empty((0,))
 
 
 def _zero_rows_(t: torch.Tensor, pad) -> torch.Tensor:
@@ -193,7 +216,6 @@ def token_sort(topk_ids: torch.Tensor, num_experts: int, align: int = 1):
     ids = topk_ids.reshape(-1).long()
     n = ids.numel()
     S = _checks.token_sort_num_slots(n, num_experts, align)
-    torch._check(S < 2**31, lambda: f"{op}: {S} sorted slots do not fit the int32 offs")
     _check_index_range(op, "topk_ids", ids, num_experts, allow_pad=False)
     counts = torch.bincount(ids, minlength=num_experts)
     # A stable sort keeps, inside each expert, the order of t * k + j: deterministic and
@@ -253,6 +275,9 @@ def _combine(y: torch.Tensor, slot_TK: torch.Tensor, weight_TK, complete: bool, 
     """out[t] = sum_j weight[t, j] * y[slot[t, j]]  (missing slots, -1, contribute nothing)."""
     T, k = slot_TK.shape
     acc = torch.zeros((T, y.size(1)), dtype=accumulate_dtype(y.dtype), device=y.device)
+    if y.size(0) == 0:
+        # no slots at all: every assignment is missing
+        return acc if acc.dtype == out_dtype else acc.to(out_dtype)
     if weight_TK is None:
         weight_TK = torch.ones((T, k), dtype=acc.dtype, device=y.device)
     missing = None
@@ -271,6 +296,7 @@ def _combine(y: torch.Tensor, slot_TK: torch.Tensor, weight_TK, complete: bool, 
 
 def permute_backward(grad: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
     op = "torch_moe.permute_backward"
+    _checks.check_permute_backward(grad, sorted_ids, top_k, num_tokens)
     _check_index_range(op, "sorted_ids", sorted_ids, num_tokens * top_k, True)
     slot, complete = _inverse_slots(op, sorted_ids, num_tokens * top_k)
     return _combine(grad, slot.view(num_tokens, top_k), None, complete, grad.dtype)
@@ -294,21 +320,31 @@ def _rowwise_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     return out
 
 
-def unpermute_backward(grad, y, sorted_ids, topk_weights):
+def unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask):
     op = "torch_moe.unpermute_backward"
+    _checks.check_unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask)
+    want_y, want_w = output_mask
     T, k = topk_weights.shape
     rows, pad = _token_rows(op, sorted_ids, k, T)
-    grad_y = _gather_rows(grad, rows, pad, grad.new_empty((sorted_ids.size(0), grad.size(1))))
-    acc = accumulate_dtype(y.dtype)
-    weight = _slot_weights(topk_weights, sorted_ids, pad, acc)
-    dot = _rowwise_dot(grad_y, y, acc)
-    if pad is not None:
-        dot.masked_fill_(pad, 0)
-    grad_y.mul_(weight.unsqueeze(1).to(grad_y.dtype))
-    grad_w = torch.zeros(T * k, dtype=topk_weights.dtype, device=y.device)
-    valid = sorted_ids >= 0
-    grad_w[sorted_ids[valid]] = dot[valid].to(topk_weights.dtype)
-    return grad_y, grad_w.view(T, k)
+    # grad_y = w * grad[token of slot]; the gathered rows also give grad_w = <grad[t], y[slot]>
+    grad_y = grad_w = None
+    if want_y or want_w:
+        grad_y = _gather_rows(grad, rows, pad, grad.new_empty((sorted_ids.size(0), grad.size(1))))
+    if want_w:
+        dot = _rowwise_dot(grad_y, y, accumulate_dtype(y.dtype))
+        if pad is not None:
+            dot.masked_fill_(pad, 0)
+        grad_w = torch.zeros(T * k, dtype=topk_weights.dtype, device=y.device)
+        valid = sorted_ids >= 0
+        grad_w[sorted_ids[valid]] = dot[valid].to(topk_weights.dtype)
+        grad_w = grad_w.view(T, k)
+    if want_y:
+        weight = _slot_weights(topk_weights, sorted_ids, pad, accumulate_dtype(y.dtype))
+        grad_y.mul_(weight.unsqueeze(1).to(grad_y.dtype))
+    return (
+        grad_y if want_y else _empty_output(y),
+        grad_w if want_w else _empty_output(topk_weights),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +431,7 @@ def indexed_grouped_mm(
             V.mul_(sw[s:e].unsqueeze(1))
         _zero_rows_(V, pad[s:e] if pad is not None else None)
         if scatter_index is not None:
-            out_acc.index_add_(0, s_rows[s:e], V if V.dtype == out_acc.dtype else V.to(out_acc.dtype))
+            _index_add_rows_(out_acc, s_rows[s:e], V)
         else:
             out[s:e].copy_(V)
     if scatter_index is not None:
@@ -407,7 +443,11 @@ def indexed_grouped_mm_backward(
     grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
 ):
     op = "torch_moe.indexed_grouped_mm_backward"
-    S = gather_index.size(0) if gather_index is not None else input.size(0)
+    S = _checks.check_indexed_grouped_mm_backward(
+        grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+    )
+    want_input, want_weight, want_sw = output_mask
+    want_sw = want_sw and scatter_weight is not None
     cdt = gemm_compute_dtype(input.dtype)
     acc = accumulate_dtype(input.dtype)
     K = input.size(1)
@@ -421,63 +461,64 @@ def indexed_grouped_mm_backward(
     bufs = _Buffers(input.device)
     x_c = _gemm_operand(input, cdt) if gather_index is not None else None
     grad_c = _gemm_operand(grad, cdt)
-    want_input, want_weight, want_sw = output_mask
-    if gather_index is not None:
+    grad_in = grad_in_acc = grad_weight = grad_sw = None
+    if want_input and gather_index is not None:
         grad_in_acc = torch.zeros(input.shape, dtype=acc, device=input.device)
-    else:
+    elif want_input:
         grad_in = torch.zeros_like(input, memory_format=torch.contiguous_format)
-    # unrequested outputs are zeros, never uninitialised memory
-    grad_weight = _empty_grad_like(weight, bounds if want_weight else [])
-    grad_sw = (
-        torch.zeros(S, dtype=acc, device=input.device) if scatter_weight is not None else None
-    )
-    for g, s, e in bounds:
+    if want_weight:
+        grad_weight = _empty_grad_like(weight, bounds)
+    if want_sw:
+        grad_sw = torch.zeros(S, dtype=acc, device=input.device)
+    for g, s, e in bounds if (want_input or want_weight or want_sw) else ():
         n = e - s
         pad_g = pad[s:e] if pad is not None else None
         # G: the output gradient of this group's rows (gathered once per group)
         if scatter_index is not None:
-            G = torch.index_select(grad_c, 0, s_rows[s:e], out=bufs.get("g", n, N, cdt))
+            G = _gather_rows(grad_c, s_rows[s:e], pad_g, bufs.get("g", n, N, cdt))
         elif pad_g is not None:
-            G = bufs.get("g", n, N, cdt).copy_(grad_c[s:e])
+            G = _zero_rows_(bufs.get("g", n, N, cdt).copy_(grad_c[s:e]), pad_g)
         else:
             G = grad_c[s:e]
-        _zero_rows_(G, pad_g)
         # X: this group's input rows, built once and used by both grad_weight and grad_sw
-        if gather_index is not None:
-            X = _gather_rows(x_c, g_rows[s:e], pad_g, bufs.get("x", n, K, cdt))
-        elif pad_g is not None:
-            X = _zero_rows_(bufs.get("x", n, K, cdt).copy_(input[s:e]), pad_g)
-        else:
-            X = _gemm_operand(input[s:e], cdt)
+        X = None
+        if want_weight or want_sw:
+            if gather_index is not None:
+                X = _gather_rows(x_c, g_rows[s:e], pad_g, bufs.get("x", n, K, cdt))
+            elif pad_g is not None:
+                X = _zero_rows_(bufs.get("x", n, K, cdt).copy_(input[s:e]), pad_g)
+            else:
+                X = _gemm_operand(input[s:e], cdt)
         W = _gemm_operand(weight[g], cdt)
         # U = G @ W^T is the unweighted input gradient; <U_i, X_i> is the weight's gradient.
         if want_input or want_sw:
-            U = torch.mm(G, W.t(), out=bufs.get("u", n, K, cdt))
-            _zero_rows_(U, pad_g)
-            if grad_sw is not None:
+            U = _zero_rows_(torch.mm(G, W.t(), out=bufs.get("u", n, K, cdt)), pad_g)
+            if want_sw:
                 grad_sw[s:e] = _rowwise_dot(U, X, acc)
             if want_input:
                 if sw is not None:
-                    U.mul_(sw[s:e].unsqueeze(1))
-                    _zero_rows_(U, pad_g)
+                    _zero_rows_(U.mul_(sw[s:e].unsqueeze(1)), pad_g)
                 if gather_index is not None:
-                    grad_in_acc.index_add_(0, g_rows[s:e], U if U.dtype == acc else U.to(acc))
+                    _index_add_rows_(grad_in_acc, g_rows[s:e], U)
                 else:
                     grad_in[s:e].copy_(U)
         if want_weight:
             if sw is not None:
-                G = torch.mul(G, sw[s:e].unsqueeze(1), out=bufs.get("gw", n, N, cdt))
-                _zero_rows_(G, pad_g)
+                G = _zero_rows_(torch.mul(G, sw[s:e].unsqueeze(1), out=bufs.get("gw", n, N, cdt)),
+                                pad_g)
             _mm_into(grad_weight[g], X.t(), G, cdt)
-    if gather_index is not None:
+    if grad_in_acc is not None:
         grad_in = grad_in_acc if grad_in_acc.dtype == input.dtype else grad_in_acc.to(input.dtype)
-    if grad_sw is None:
-        grad_sw = input.new_empty((0,))
-    elif pad is not None:
-        grad_sw.masked_fill_(pad, 0)
-    if grad_sw.numel():
+    if grad_sw is not None:
+        if pad is not None:
+            grad_sw.masked_fill_(pad, 0)
         grad_sw = grad_sw.to(scatter_weight.dtype)
-    return grad_in, grad_weight, grad_sw
+    return (
+        grad_in if want_input else _empty_output(input),
+        grad_weight if want_weight else _empty_output(weight),
+        grad_sw if want_sw else _empty_output(scatter_weight if scatter_weight is not None
+                                              else input),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,30 +622,39 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
             torch.mm(act[s - bs : e - bs], experts.down(g), out=o[s - bs : e - bs])
         o.mul_(weight[bs:be].unsqueeze(1))
         _zero_rows_(o, pad_b)
-        out_acc.index_add_(0, r, o if o.dtype == out_acc.dtype else o.to(out_acc.dtype))
+        _index_add_rows_(out_acc, r, o)
     out = out_acc if out_acc.dtype == x.dtype else out_acc.to(x.dtype)
     return out, hidden
 
 
 def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation,
-                         alpha, limit):
+                         alpha, limit, output_mask):
     op = "torch_moe.grouped_ffn_backward"
+    _, F = _checks.check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3,
+                                              hidden, activation, output_mask)
+    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
+    want_w3 = want_w3 and w3 is not None
+    # dA = G @ w2^T feeds grad_topk and dH; dH feeds grad_x, grad_w1 and grad_w3; the activation
+    # act(h) feeds grad_topk and grad_w2. Nothing an unrequested gradient alone needs is computed.
+    want_dH = want_x or want_w1 or want_w3
+    want_dA = want_topk or want_dH
+    want_act = want_topk or want_w2
     bounds, _, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
-    gated = activation in _checks.GATED_ACTIVATIONS
     T, D = x.shape
     H = hidden.size(1)
-    F = H // 2 if gated else H
     acc = accumulate_dtype(x.dtype)
     bufs = _Buffers(x.device)
     experts = _ExpertWeights(w1, w2, w3, cdt, bufs)
-    x_c = _gemm_operand(x, cdt)
+    x_c = _gemm_operand(x, cdt) if (want_w1 or want_w3) else None
     grad_c = _gemm_operand(grad, cdt)
-    grad_x = torch.zeros((T, D), dtype=acc, device=x.device)
-    grad_w1 = _empty_grad_like(w1, bounds)
-    grad_w2 = _empty_grad_like(w2, bounds)
-    grad_w3 = _empty_grad_like(w3, bounds) if w3 is not None else None
-    grad_weight_sorted = torch.zeros(sorted_ids.size(0), dtype=acc, device=x.device)
-    for bs, be, groups in _blocks(bounds):
+    grad_x = torch.zeros((T, D), dtype=acc, device=x.device) if want_x else None
+    grad_w1 = _empty_grad_like(w1, bounds) if want_w1 else None
+    grad_w2 = _empty_grad_like(w2, bounds) if want_w2 else None
+    grad_w3 = _empty_grad_like(w3, bounds) if want_w3 else None
+    grad_weight_sorted = (
+        torch.zeros(sorted_ids.size(0), dtype=acc, device=x.device) if want_topk else None
+    )
+    for bs, be, groups in _blocks(bounds) if (want_dA or want_w2) else ():
         n = be - bs
         r = rows[bs:be]
         w = weight[bs:be].unsqueeze(1)
@@ -616,41 +666,73 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
             h = _zero_rows_(bufs.get("h", n, H, cdt).copy_(hidden[bs:be]), pad_b)
         else:
             h = _gemm_operand(hidden[bs:be], cdt)
-        act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
-        # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
-        dA = bufs.get("da", n, F, cdt)
-        for g, s, e in groups:
-            torch.mm(G[s - bs : e - bs], experts.down(g).t(), out=dA[s - bs : e - bs])
-        _zero_rows_(dA, pad_b)
-        grad_weight_sorted[bs:be] = _rowwise_dot(dA, act, acc)
-        # d w2 = (w * act)^T @ G: scale the narrower operand
-        act.mul_(w)
-        for g, s, e in groups:
-            _mm_into(grad_w2[g], act[s - bs : e - bs].t(), G[s - bs : e - bs], cdt,
-                     bufs.get("dw2", F, D, cdt))
-        dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha,
-                                 limit)
-        X = _gather_rows(x_c, r, pad_b, bufs.get("x", n, D, cdt))
-        dX = bufs.get("dx", n, D, cdt)
-        for g, s, e in groups:
-            Xg, dHg, dXg = X[s - bs : e - bs], dH[s - bs : e - bs], dX[s - bs : e - bs]
+        act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit) \
+            if want_act else None
+        if want_dA:
+            # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
+            dA = bufs.get("da", n, F, cdt)
+            for g, s, e in groups:
+                torch.mm(G[s - bs : e - bs], experts.down(g).t(), out=dA[s - bs : e - bs])
+            _zero_rows_(dA, pad_b)
+            if want_topk:
+                grad_weight_sorted[bs:be] = _rowwise_dot(dA, act, acc)
+        if want_w2:
+            # d w2 = (w * act)^T @ G: scale the narrower operand
+            act.mul_(w)
+            for g, s, e in groups:
+                _mm_into(grad_w2[g], act[s - bs : e - bs].t(), G[s - bs : e - bs], cdt,
+                         bufs.get("dw2", F, D, cdt))
+        if want_dH:
+            dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha,
+                                     limit)
+            _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs,
+                             grad_w1, grad_w3, grad_x)
+    if want_topk:
+        if pad is not None:
+            grad_weight_sorted.masked_fill_(pad, 0)
+        grad_topk = torch.zeros(topk_weights.numel(), dtype=acc, device=x.device)
+        valid = sorted_ids >= 0
+        grad_topk[sorted_ids[valid]] = grad_weight_sorted[valid]
+        grad_topk = grad_topk.view(topk_weights.shape).to(topk_weights.dtype)
+    return (
+        grad_x.to(x.dtype) if want_x else _empty_output(x),
+        grad_topk if want_topk else _empty_output(topk_weights),
+        grad_w1 if want_w1 else _empty_output(w1),
+        grad_w2 if want_w2 else _empty_output(w2),
+        grad_w3 if want_w3 else _empty_output(w3 if w3 is not None else w1),
+    )
+
+
+def _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs, grad_w1, grad_w3,
+                     grad_x):
+    """The gradients through the up projections of one block, each only if requested (not None):
+    grad_w1 (and grad_w3) = X^T @ dH per expert, and grad_x[t] += dH @ w1^T (+ dH_up @ w3^T).
+
+    dH ``[n, H]``: the pre-activation gradient of the block's rows; r, pad_b: their token rows
+    and padding mask; x_c: the tokens in the GEMM dtype (None when no weight gradient is wanted).
+    """
+    n, H = dH.shape
+    X = _gather_rows(x_c, r, pad_b, bufs.get("x", n, x_c.size(1), cdt)) if x_c is not None else None
+    dX = bufs.get("dx", n, grad_x.size(1), cdt) if grad_x is not None else None
+    # with a separate w3, dH = [d gate, d up] splits between w1 and w3; otherwise w1 is
+    # [E, D, H], the gate (and, fused, the up) projection
+    split = experts.w3 is not None
+    for g, s, e in groups:
+        rows = slice(s - bs, e - bs)
+        dHg = dH[rows]
+        if grad_w1 is not None:
+            D = X.size(1)
+            dH1 = dHg[:, :F] if split else dHg
+            _mm_into(grad_w1[g], X[rows].t(), dH1, cdt, bufs.get("dw1", D, dH1.size(1), cdt))
+        if grad_w3 is not None:
+            _mm_into(grad_w3[g], X[rows].t(), dHg[:, F:], cdt, bufs.get("dw3", X.size(1), F, cdt))
+        if dX is not None:
             w_up, w_up3 = experts.up(g)
             if w_up3 is None:
-                _mm_into(grad_w1[g], Xg.t(), dHg, cdt, bufs.get("dw1", D, H, cdt))
-                torch.mm(dHg, w_up.t(), out=dXg)
+                torch.mm(dHg, w_up.t(), out=dX[rows])
             else:
-                _mm_into(grad_w1[g], Xg.t(), dHg[:, :F], cdt, bufs.get("dw1", D, F, cdt))
-                _mm_into(grad_w3[g], Xg.t(), dHg[:, F:], cdt, bufs.get("dw3", D, F, cdt))
-                torch.mm(dHg[:, :F], w_up.t(), out=dXg)
-                dXg.addmm_(dHg[:, F:], w_up3.t())
+                torch.mm(dHg[:, :F], w_up.t(), out=dX[rows])
+                dX[rows].addmm_(dHg[:, F:], w_up3.t())
+    if dX is not None:
         _zero_rows_(dX, pad_b)
-        grad_x.index_add_(0, r, dX if dX.dtype == acc else dX.to(acc))
-    if pad is not None:
-        grad_weight_sorted.masked_fill_(pad, 0)
-    grad_topk = torch.zeros(topk_weights.numel(), dtype=acc, device=x.device)
-    valid = sorted_ids >= 0
-    grad_topk[sorted_ids[valid]] = grad_weight_sorted[valid]
-    grad_topk = grad_topk.view(topk_weights.shape).to(topk_weights.dtype)
-    if grad_w3 is None:
-        grad_w3 = w1.new_empty((0,))
-    return grad_x.to(x.dtype), grad_topk, grad_w1, grad_w2, grad_w3
+        _index_add_rows_(grad_x, r, dX)

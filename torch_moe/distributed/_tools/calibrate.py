@@ -159,7 +159,7 @@ def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
             y, hidden = ops.grouped_ffn(x, sorted_ids, offs, weights, w1, w2, w3, "swiglu",
                                         1.702, 7.0)
             ops.grouped_ffn_backward(y, x, sorted_ids, offs, weights, w1, w2, w3, hidden,
-                                     "swiglu", 1.702, 7.0)
+                                     "swiglu", 1.702, 7.0, [True] * 5)
 
         return _median_s(run, reps)
 
@@ -199,7 +199,7 @@ def measure_grouped_ffn_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = 
     def run(args, grad):
         y, hidden = ops.grouped_ffn(*args, "swiglu", 1.702, 7.0)
         ops.grouped_ffn_backward(grad, args[0], args[1], args[2], args[3], args[4], args[5],
-                                 args[6], hidden, "swiglu", 1.702, 7.0)
+                                 args[6], hidden, "swiglu", 1.702, 7.0, [True] * 5)
 
     times = {r: [] for r, *_ in cases}
     for p in range(reps + 1):

@@ -56,6 +56,18 @@ def _present(*tensors) -> list:
     return [t for t in tensors if t is not None]
 
 
+def _output_mask(args, kwargs, index: int) -> list:
+    return list(args[index]) if len(args) > index else list(kwargs["output_mask"])
+
+
+def _masked(rules: list, output_mask: list) -> list:
+    """Rules of a backward op whose outputs not requested by ``output_mask`` are empty [0]
+    tensors: those are Replicate whatever the inputs."""
+    n = len(output_mask)
+    return [[p if want else R for p, want in zip(rule[:n], output_mask)] + rule[n:]
+            for rule in rules]
+
+
 # ---------------------------------------------------------------------------------------------
 # Routing and permutation
 # ---------------------------------------------------------------------------------------------
@@ -87,18 +99,18 @@ def unpermute_strategy(op, args, kwargs):
     return [[S(1), S(1), R, R], [P, P, R, R], [P, R, R, P], [P, S(0), S(0), R]]
 
 
-@register_single_dim_strategy(ops.unpermute_backward.default)
+@register_single_dim_strategy(ops.unpermute_backward.default, _schema(4, "output_mask"))
 def unpermute_backward_strategy(op, args, kwargs):
     # (grad_y [S, D], grad_w [T, k]) <- grad [T, D], y [S, D], sorted_ids, topk_weights:
     # grad_y = w * grad (no y), grad_w = <grad, y> over D.
-    return [
+    return _masked([
         [S(1), P, S(1), S(1), R, R],
         [P, P, P, R, R, R],
         [R, P, R, P, R, R],
         [P, R, R, R, R, P],
         [P, P, R, P, R, P],           # bilinear: grad_y in the weights, grad_w in y
         [S(0), P, R, S(0), S(0), R],  # a slice of the slots
-    ]
+    ], _output_mask(args, kwargs, 4))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +173,7 @@ def indexed_grouped_mm_backward_strategy(op, args, kwargs):
     ]
     if has_sw:
         rules.append([P, P, R, R, R, R, R, *idx, P])
-    return rules
+    return _masked(rules, _output_mask(args, kwargs, 7))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +220,9 @@ def grouped_ffn_strategy(op, args, kwargs):
     ]
 
 
-@register_single_dim_strategy(ops.grouped_ffn_backward.default, _schema(7, "activation", "alpha", "limit"))
+@register_single_dim_strategy(
+    ops.grouped_ffn_backward.default, _schema(7, "activation", "alpha", "limit", "output_mask")
+)
 def grouped_ffn_backward_strategy(op, args, kwargs):
     # (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)
     #   <- grad, x, sorted_ids, offs, topk_weights, w1, w2, w3?, hidden
@@ -220,8 +234,8 @@ def grouped_ffn_backward_strategy(op, args, kwargs):
     weights = _ffn_weight_f_shards(activation, has_w3)
     grad_w3 = weights[2] if has_w3 else R  # an empty tensor when there is no w3
     n_w = 3 if has_w3 else 2
-    return [
+    return _masked([
         [P, P, weights[0], weights[1], grad_w3, R, R, R, R, R, *weights, _hidden_f_shard(gated)],
         [P, P, P, P, P if has_w3 else R, P, R, R, R, R, *([R] * n_w), R],
         [P, R, P, P, P if has_w3 else R, R, R, R, R, P, *([R] * n_w), R],
-    ]
+    ], _output_mask(args, kwargs, 12))
