@@ -333,7 +333,7 @@ class TestBadConfig(TestCase):
         self.assertExpectedInline(self.message(num_expert_groups=8, topk_groups=1), """MoEConfig: topk_groups=1 groups of 1 experts hold fewer than top_k=2 experts""")
 
     def test_negative_capacity(self):
-        self.assertExpectedInline(self.message(capacity_factor=-1.0), """MoEConfig: expected capacity_factor > 0 (or None for dropless), but got -1.0""")
+        self.assertExpectedInline(self.message(capacity_factor=-1.0), """MoEConfig: expected capacity_factor > 0 and finite (or None for dropless), but got -1.0""")
 
     def test_unknown_score_func(self):
         self.assertExpectedInline(self.message(score_func="tanh"), """MoEConfig: expected score_func 'softmax' or 'sigmoid', but got 'tanh'""")

@@ -180,7 +180,14 @@ def _check_expert_bias(fn: str, moe: MoE, block_keys: Iterable[str], prefix: str
             f"with load_balance_bias=False; build it with MoEConfig(load_balance_bias=True)")
 
 
-def _check_shape(fn: str, key: str, value: Tensor, view: Tensor, layout: str) -> None:
+def _check_value(fn: str, key: str, value, view: Tensor, layout: str) -> None:
+    # ``copy_`` would silently drop an imaginary part, or turn integers (quantized or mislabelled
+    # data) into weights
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{fn}: expected {key!r} to be a Tensor, but got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{fn}: expected {key!r} to be a floating-point tensor like the "
+                        f"{view.dtype} it is loaded into, but got {value.dtype}")
     if value.shape != view.shape:
         raise ValueError(f"{fn}: expected {key!r} of shape {list(view.shape)} ({layout}), but got "
                          f"{list(value.shape)}")
@@ -214,6 +221,8 @@ def load_hf_moe_state_dict(
 
     Raises:
         KeyError: ``strict`` and keys of the block are missing.
+        TypeError: whatever ``strict``, a value that is not a floating-point tensor (complex,
+            integer or bool tensors would be silently converted).
         ValueError: unknown style, a config the style cannot hold, ``strict`` and unexpected
             keys, and, whatever ``strict``: a shape mismatch, experts with an index >= E, and an
             ``e_score_correction_bias`` for a layer built without ``load_balance_bias``.
@@ -239,7 +248,7 @@ def load_hf_moe_state_dict(
                            f"{_format_keys(missing)}")
     present = [key for key in views if key in block_keys]
     for key in present:
-        _check_shape(fn, key, state_dict[key], *views[key])
+        _check_value(fn, key, state_dict[key], *views[key])
     for key in present:
         views[key][0].copy_(state_dict[key])
 

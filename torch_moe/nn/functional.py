@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_moe._checks import ACTIVATIONS
-from torch_moe.quantization import PRECISIONS, SCALE_MODES
+from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
+from torch_moe.nn import _checks as C
+from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
+from torch_moe.quantization._checks import QUANTIZABLE_DTYPES
 from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
 
 __all__ = [
@@ -82,6 +84,11 @@ def moe_ffn(
         raise ValueError(f"moe_ffn: expected precision in {PRECISIONS}, but got {precision!r}")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"moe_ffn: expected scale_mode in {SCALE_MODES}, but got {scale_mode!r}")
+    if activation == "swiglu_oai":
+        C.check_real("moe_ffn", "alpha", alpha)
+        C.check_real("moe_ffn", "limit", limit, low=0, strict=True)
+    if precision != "bf16":
+        _check_quantized_operands(x, w2, precision)
     if type(x).__name__ == "DTensor":
         # every rank routes its own tokens: see torch_moe.distributed.tensor._token_parallel
         from torch_moe.distributed.tensor._token_parallel import token_parallel_moe_ffn
@@ -105,6 +112,20 @@ def moe_ffn(
         x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit
     )
     return out
+
+
+def _check_quantized_operands(x: Tensor, w2: Tensor, precision: str) -> None:
+    # What the quantized GEMMs need, said in moe_ffn's terms (the ops would name their own
+    # operands, which the caller never passed).
+    if x.dtype not in QUANTIZABLE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in QUANTIZABLE_DTYPES)
+        raise TypeError(f"moe_ffn: precision={precision!r} expects x to be {names}, but got {x.dtype}")
+    if precision != "mxfp8":
+        return
+    for name, size in (("x.size(1)", x.size(-1)), ("w2.size(1)", w2.size(-2))):
+        if size % BLOCK_SIZE:
+            raise ValueError(f"moe_ffn: precision='mxfp8' expects {name} (the model dim, the FFN dim) "
+                             f"to be a multiple of the MX block size {BLOCK_SIZE}, but got {size}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,22 +176,21 @@ def route(
     logits raises (an on-device assert, no host synchronisation) instead of silently routing
     every token to expert 0.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"route: expected logits [T, E], but got shape {tuple(logits.shape)}")
-    E = logits.size(1)
-    if not 1 <= top_k <= E:
-        raise ValueError(f"route: expected 1 <= top_k <= num_experts ({E}), but got {top_k}")
-    if score_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"route: expected score_func 'softmax' or 'sigmoid', but got {score_func!r}")
+    _check_route(logits, top_k, score_func, topk_before_score, expert_bias, num_groups,
+                 topk_groups, scale)
     if check_finite:
         torch._assert_async(
-            torch.isfinite(logits).all(), "route: router logits contain NaN or Inf"
+            torch.isfinite(logits).all(),
+            "route: expected finite logits, but the router logits contain NaN or Inf",
         )
+        if expert_bias is not None:
+            torch._assert_async(
+                torch.isfinite(expert_bias).all(),
+                "route: expected expert_bias to be finite, but it contains NaN or Inf",
+            )
     logits = logits.float()
     score = torch.softmax if score_func == "softmax" else (lambda t, dim: torch.sigmoid(t))
     if topk_before_score:
-        if expert_bias is not None or num_groups is not None:
-            raise ValueError("route: expert_bias and group-limited routing need topk_before_score=False")
         top_logits, topk_ids = _stable_topk(logits, top_k)
         topk_weights = score(top_logits, dim=-1)
         scores = score(logits, dim=-1)
@@ -188,6 +208,48 @@ def route(
     return topk_ids, topk_weights, scores
 
 
+def _check_route(logits, top_k, score_func, topk_before_score, expert_bias, num_groups,
+                 topk_groups, scale) -> None:
+    fn = "route"
+    C.check_float_tensor(fn, "logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"{fn}: expected logits [T, E], but got shape {tuple(logits.shape)}")
+    E = logits.size(1)
+    C.check_int(fn, "top_k", top_k, 1, E)
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"{fn}: expected score_func 'softmax' or 'sigmoid', but got {score_func!r}")
+    C.check_real(fn, "scale", scale)
+    if expert_bias is not None:
+        if topk_before_score:
+            raise ValueError(f"{fn}: expert_bias needs topk_before_score=False, but got "
+                             "topk_before_score=True")
+        C.check_float_tensor(fn, "expert_bias", expert_bias)
+        if expert_bias.dim() != 1 or expert_bias.size(0) != E:
+            raise ValueError(f"{fn}: expected expert_bias [{E}] (one per expert), but got shape "
+                             f"{tuple(expert_bias.shape)}")
+        C.check_same_device(fn, "expert_bias", expert_bias, "logits", logits)
+    if num_groups is None:
+        if topk_groups is not None:
+            raise ValueError(f"{fn}: topk_groups={topk_groups} needs num_groups, but got "
+                             "num_groups=None")
+        return
+    if topk_before_score:
+        raise ValueError(f"{fn}: group-limited routing (num_groups={num_groups}) needs "
+                         "topk_before_score=False, but got topk_before_score=True")
+    C.check_int(fn, "num_groups", num_groups)
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"{fn}: expected num_groups to divide the number of experts ({E}), but "
+                         f"got {num_groups}")
+    if topk_groups is None:
+        raise ValueError(f"{fn}: expected topk_groups in [1, {num_groups}] with "
+                         f"num_groups={num_groups}, but got None")
+    C.check_int(fn, "topk_groups", topk_groups, 1, num_groups)
+    per_group = E // num_groups
+    if topk_groups * per_group < top_k:
+        raise ValueError(f"{fn}: expected topk_groups * experts per group >= top_k ({top_k}), but "
+                         f"got {topk_groups} * {per_group} = {topk_groups * per_group}")
+
+
 def _mask_to_top_groups(select: Tensor, num_groups: int, topk_groups: int) -> Tensor:
     T, E = select.shape
     grouped = select.view(T, num_groups, E // num_groups)
@@ -203,6 +265,21 @@ def _assignment_counts(topk_ids: Tensor, num_experts: int) -> Tensor:
     return counts.index_add_(0, topk_ids.reshape(-1), torch.ones(topk_ids.numel(), device=topk_ids.device))
 
 
+def _check_routing_stats(fn: str, scores: Tensor, topk_ids: Tensor, num_experts: int) -> None:
+    """``scores [T, E]`` floating, ``topk_ids [T, k]`` integer ids in ``[0, E)``."""
+    C.check_int(fn, "num_experts", num_experts, 1)
+    C.check_float_tensor(fn, "scores", scores)
+    if scores.dim() != 2 or scores.size(1) != num_experts:
+        raise ValueError(f"{fn}: expected scores [T, {num_experts}] (num_experts={num_experts}), "
+                         f"but got shape {tuple(scores.shape)}")
+    C.check_index_tensor(fn, "topk_ids", topk_ids)
+    if topk_ids.dim() != 2 or topk_ids.size(0) != scores.size(0):
+        raise ValueError(f"{fn}: expected topk_ids [{scores.size(0)}, k] (T = scores.size(0)), but "
+                         f"got shape {tuple(topk_ids.shape)}")
+    C.check_same_device(fn, "topk_ids", topk_ids, "scores", scores)
+    C.check_expert_ids(fn, topk_ids, num_experts)
+
+
 def load_balancing_loss(scores: Tensor, topk_ids: Tensor, num_experts: int) -> Tensor:
     """Switch / GShard load-balancing loss, 1.0 under perfectly uniform routing.
 
@@ -210,6 +287,7 @@ def load_balancing_loss(scores: Tensor, topk_ids: Tensor, num_experts: int) -> T
     to expert e (no gradient) and ``P_e`` the mean over tokens of the routing probability of e
     (scores renormalised to sum to one per token, so sigmoid scores work too).
     """
+    _check_routing_stats("load_balancing_loss", scores, topk_ids, num_experts)
     T = scores.size(0)
     if T == 0:
         return scores.new_zeros(())
@@ -225,11 +303,16 @@ def sequence_balance_loss(scores: Tensor, topk_ids: Tensor, num_experts: int, se
     ``P_e = mean_t s'_{t,e}`` with ``s'`` the scores normalised per token; the loss is
     ``sum_e f_e P_e`` (1.0 under uniform routing). ``scores [B * L, E]``, ``topk_ids [B * L, k]``.
     """
+    fn = "sequence_balance_loss"
+    _check_routing_stats(fn, scores, topk_ids, num_experts)
+    C.check_int(fn, "seq_len", seq_len)
     T, k = topk_ids.shape
-    if T == 0:
+    if T == 0:  # also what a [B, 0, D] input gives, with seq_len = 0
         return scores.new_zeros(())
+    C.check_int(fn, "seq_len", seq_len, 1)
     if T % seq_len:
-        raise ValueError(f"sequence_balance_loss: {T} tokens are not a whole number of sequences of {seq_len}")
+        raise ValueError(f"{fn}: expected seq_len to divide the number of tokens ({T}), but got "
+                         f"seq_len={seq_len}")
     B = T // seq_len
     hits = torch.zeros(B, num_experts, dtype=torch.float32, device=scores.device)
     hits.scatter_add_(1, topk_ids.reshape(B, seq_len * k), torch.ones(B, seq_len * k, device=scores.device))
@@ -240,6 +323,9 @@ def sequence_balance_loss(scores: Tensor, topk_ids: Tensor, num_experts: int, se
 
 def router_z_loss(logits: Tensor) -> Tensor:
     """ST-MoE router z-loss: mean over tokens of ``logsumexp(logits)^2`` (in fp32)."""
+    C.check_float_tensor("router_z_loss", "logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"router_z_loss: expected logits [T, E], but got shape {tuple(logits.shape)}")
     if logits.size(0) == 0:
         return logits.new_zeros((), dtype=torch.float32)
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
@@ -257,10 +343,7 @@ def token_sort_with_capacity(
     ``align > 1`` every group starts on a multiple of ``align`` (as ``token_sort(align=)``:
     ``S = T * k + E * (align - 1)``, padding slots hold -1).
     """
-    if capacity < 0:
-        raise ValueError(f"token_sort_with_capacity: expected capacity >= 0, but got {capacity}")
-    if align < 1:
-        raise ValueError(f"token_sort_with_capacity: expected align >= 1, but got {align}")
+    _check_token_sort_with_capacity(topk_ids, topk_weights, num_experts, capacity, align)
     ids = topk_ids.reshape(-1).long()
     weights = topk_weights.reshape(-1)
     n = ids.numel()
@@ -291,10 +374,42 @@ def token_sort_with_capacity(
     return aligned[:S], padded_ends.to(torch.int32), kept, n - kept.sum()
 
 
+def _check_token_sort_with_capacity(topk_ids, topk_weights, num_experts, capacity, align) -> None:
+    fn = "token_sort_with_capacity"
+    C.check_int(fn, "num_experts", num_experts, 1, C.INT32_MAX)
+    C.check_int(fn, "capacity", capacity, 0)
+    C.check_int(fn, "align", align, 1)
+    C.check_index_tensor(fn, "topk_ids", topk_ids)
+    if topk_ids.dim() != 2:
+        raise ValueError(f"{fn}: expected topk_ids [T, k], but got shape {tuple(topk_ids.shape)}")
+    k = topk_ids.size(1)
+    if k > num_experts:
+        raise ValueError(f"{fn}: expected top-k ({k}) <= num_experts ({num_experts}): a token "
+                         "cannot pick the same expert twice")
+    C.check_float_tensor(fn, "topk_weights", topk_weights)
+    C.check_shape(fn, "topk_weights", topk_weights, topk_ids.shape, "the shape of topk_ids")
+    C.check_same_device(fn, "topk_weights", topk_weights, "topk_ids", topk_ids)
+    slots = topk_ids.numel() + num_experts * (align - 1)
+    if slots > C.INT32_MAX:
+        raise ValueError(f"{fn}: expected T * k + num_experts * (align - 1) sorted slots to fit the "
+                         f"int32 offs (<= {C.INT32_MAX}), but got {slots} with num_experts="
+                         f"{num_experts} and align={align}")
+    C.check_expert_ids(fn, topk_ids, num_experts)
+
+
 def activation(kind: str, gate: Tensor, up: Optional[Tensor] = None, *, alpha: float = 1.702,
                limit: float = 7.0) -> Tensor:
     """The expert activations of :func:`moe_ffn` on plain tensors (used by dense FFNs, such as
     shared experts). ``up`` is required by the gated kinds and ignored by the others."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation: expected kind to be one of {ACTIVATIONS}, but got {kind!r}")
+    if kind in GATED_ACTIVATIONS:
+        if up is None:
+            raise ValueError(f"activation: kind={kind!r} is gated and needs up of the shape of gate "
+                             f"{tuple(gate.shape)}, but got None")
+        if up.shape != gate.shape:
+            raise ValueError(f"activation: expected up of the shape of gate {tuple(gate.shape)}, but "
+                             f"got {tuple(up.shape)}")
     if kind == "swiglu":
         return F.silu(gate) * up
     if kind == "geglu":
@@ -304,6 +419,4 @@ def activation(kind: str, gate: Tensor, up: Optional[Tensor] = None, *, alpha: f
         return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
     if kind == "gelu":
         return F.gelu(gate)
-    if kind == "relu":
-        return F.relu(gate)
-    raise ValueError(f"activation: expected one of {ACTIVATIONS}, but got {kind!r}")
+    return F.relu(gate)

@@ -21,6 +21,7 @@ import torch
 from torch import nn, Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
+from torch_moe.nn import _checks as C
 from torch_moe.nn import functional as F_moe
 from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
 from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
@@ -56,7 +57,8 @@ class MoEConfig:
             ``ceil(c * T * k / E)`` assignments and drops the lowest-weighted ones beyond.
         num_shared_experts: shared (always-on) experts, fused into one FFN of width
             ``num_shared_experts * (shared_hidden_dim or hidden_dim)``.
-        shared_hidden_dim: FFN dim of one shared expert (default: ``hidden_dim``).
+        shared_hidden_dim: FFN dim of one shared expert, >= 1; ``None`` (the default) means
+            ``hidden_dim``. A layer without shared experts has ``num_shared_experts=0``.
         shared_expert_gate: scale the shared output by ``sigmoid(x @ gate)`` (Qwen2-MoE).
         activation: ``"swiglu"``, ``"geglu"``, ``"swiglu_oai"``, ``"gelu"`` or ``"relu"``.
         swiglu_alpha, swiglu_limit: constants of ``"swiglu_oai"`` (gpt-oss: 1.702, 7.0).
@@ -97,22 +99,35 @@ class MoEConfig:
     wgrad_high_precision: bool = False
 
     def __post_init__(self):
+        fn = "MoEConfig"
+
         def need(cond, msg):
             if not cond:
-                raise ValueError(f"MoEConfig: {msg}")
+                raise ValueError(f"{fn}: {msg}")
 
         for name in ("dim", "hidden_dim", "num_experts", "top_k"):
-            need(getattr(self, name) >= 1, f"expected {name} >= 1, but got {getattr(self, name)}")
+            C.check_int(fn, name, getattr(self, name), 1)
         need(self.top_k <= self.num_experts,
              f"expected top_k <= num_experts, but got top_k={self.top_k} > num_experts={self.num_experts}")
+        C.check_int(fn, "num_shared_experts", self.num_shared_experts, 0)
+        if self.shared_hidden_dim is not None:
+            C.check_int(fn, "shared_hidden_dim", self.shared_hidden_dim)
+            need(self.shared_hidden_dim >= 1, "expected shared_hidden_dim >= 1 (or None for "
+                 f"hidden_dim), but got {self.shared_hidden_dim}")
         need(self.score_func in ("softmax", "sigmoid"),
              f"expected score_func 'softmax' or 'sigmoid', but got {self.score_func!r}")
         need(self.activation in ACTIVATIONS,
              f"expected activation in {ACTIVATIONS}, but got {self.activation!r}")
+        C.check_real(fn, "swiglu_alpha", self.swiglu_alpha)
+        C.check_real(fn, "swiglu_limit", self.swiglu_limit, low=0, strict=True)
+        C.check_real(fn, "route_scale", self.route_scale)
         if self.num_expert_groups is not None or self.topk_groups is not None:
             n, m = self.num_expert_groups, self.topk_groups
             need(n is not None and m is not None,
-                 "group-limited routing needs both num_expert_groups and topk_groups")
+                 "group-limited routing needs both num_expert_groups and topk_groups, but got "
+                 f"num_expert_groups={n} and topk_groups={m}")
+            C.check_int(fn, "num_expert_groups", n)
+            C.check_int(fn, "topk_groups", m)
             need(n >= 1 and self.num_experts % n == 0,
                  f"expected num_expert_groups to divide num_experts ({self.num_experts}), but got {n}")
             need(1 <= m <= n, f"expected 1 <= topk_groups <= num_expert_groups ({n}), but got {m}")
@@ -123,10 +138,10 @@ class MoEConfig:
         if self.load_balance_bias:
             need(not self.topk_before_score, "load_balance_bias needs topk_before_score=False")
         if self.capacity_factor is not None:
-            need(self.capacity_factor > 0,
-                 f"expected capacity_factor > 0 (or None for dropless), but got {self.capacity_factor}")
+            C.check_real(fn, "capacity_factor", self.capacity_factor, low=0, strict=True,
+                         extra=" (or None for dropless)")
         for name in ("load_balance_coeff", "seq_balance_coeff", "z_loss_coeff", "bias_update_rate"):
-            need(getattr(self, name) >= 0, f"expected {name} >= 0, but got {getattr(self, name)}")
+            C.check_real(fn, name, getattr(self, name), low=0)
         need(self.precision in PRECISIONS,
              f"expected precision in {PRECISIONS}, but got {self.precision!r}")
         need(self.quant_scale_mode in SCALE_MODES,
@@ -136,8 +151,24 @@ class MoEConfig:
                 need(getattr(self, name) % BLOCK_SIZE == 0,
                      f"precision='mxfp8' needs {name} to be a multiple of the MX block size "
                      f"{BLOCK_SIZE}, but got {getattr(self, name)}")
-        need(self.num_shared_experts >= 0,
-             f"expected num_shared_experts >= 0, but got {self.num_shared_experts}")
+        self._check_weight_sizes()
+
+    def _check_weight_sizes(self) -> None:
+        # A weight whose byte size overflows int64 has no storage: say which sizes are absurd
+        # instead of letting the allocator fail on a wrapped-around byte count.
+        sizes = {"num_experts * dim * hidden_dim": self.num_experts * self.dim * self.hidden_dim}
+        if self.num_shared_experts > 0:
+            sizes["num_shared_experts * shared_hidden_dim * dim"] = (
+                self.num_shared_experts * self.shared_width_per_expert * self.dim)
+        for what, numel in sizes.items():
+            if numel > C.MAX_NUMEL:
+                raise ValueError(f"MoEConfig: expected {what} <= {C.MAX_NUMEL} elements per weight "
+                                 f"(a storage size in bytes must fit in int64), but got {numel}")
+
+    @property
+    def shared_width_per_expert(self) -> int:
+        """FFN dim of one shared expert: ``shared_hidden_dim``, or ``hidden_dim`` if None."""
+        return self.hidden_dim if self.shared_hidden_dim is None else self.shared_hidden_dim
 
     @property
     def gated(self) -> bool:
@@ -178,6 +209,7 @@ class TopKRouter(nn.Module):
             self.expert_bias.zero_()
 
     def logits(self, x_TD: Tensor) -> Tensor:
+        C.check_tokens("TopKRouter", "x", x_TD, self.config.dim)
         logits = x_TD.float() @ self.weight.float().t()
         if self.bias is not None:
             logits = logits + self.bias.float()
@@ -242,6 +274,7 @@ class GroupedExperts(nn.Module):
                 raise ValueError("GroupedExperts: these experts are parallelized and route tokens "
                                  "themselves: expected topk_ids, but got None")
             return self._dispatch(x_TD, topk_ids, topk_weights)
+        C.check_tokens("GroupedExperts", "x", x_TD, self.config.dim)
         c = self.config
         if c.precision != "bf16":
             return quantized_expert_ffn(
@@ -265,7 +298,7 @@ class SharedExperts(nn.Module):
         super().__init__()
         self.config = config
         D = config.dim
-        Fs = config.num_shared_experts * (config.shared_hidden_dim or config.hidden_dim)
+        Fs = config.num_shared_experts * config.shared_width_per_expert
         kw = dict(device=device, dtype=dtype)
         self.w1 = nn.Parameter(torch.empty(D, Fs, **kw))
         self.w2 = nn.Parameter(torch.empty(Fs, D, **kw))
@@ -286,6 +319,7 @@ class SharedExperts(nn.Module):
         # shared FFN the same memory-efficient backward and the same CPU compute path (fp32
         # GEMMs for bf16 on CPUs without bf16 instructions) as the routed experts.
         c = self.config
+        C.check_tokens("SharedExperts", "x", x_TD, c.dim)
         x_TD = x_TD.to(self.w1.dtype)
         T = x_TD.size(0)
         slots = torch.arange(T, device=x_TD.device)
@@ -299,6 +333,21 @@ class SharedExperts(nn.Module):
         if self.gate is not None:
             y = y * torch.sigmoid(x_TD.float() @ self.gate.float().t()).to(y.dtype)
         return y
+
+
+def _check_state_dict_dtypes(module, state_dict, prefix, *args) -> None:
+    """Rejects entries that ``copy_`` would silently convert into a floating-point parameter or
+    buffer: complex values (the imaginary part would be dropped), integers and bools (quantized
+    or mislabelled data). Runs before anything of ``module`` is loaded."""
+    own = dict(module.named_parameters())
+    own.update((name, b) for name, b in module.named_buffers() if b is not None)
+    for name, tensor in own.items():
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, Tensor) or not tensor.is_floating_point():
+            continue
+        if not value.is_floating_point():
+            raise TypeError(f"MoE.load_state_dict: expected {prefix + name!r} to be a floating-point "
+                            f"tensor like the {tensor.dtype} it is loaded into, but got {value.dtype}")
 
 
 def _is_dtensor(x: Tensor) -> bool:
@@ -377,6 +426,7 @@ class MoE(nn.Module):
                              persistent=False)
         self.aux_loss_scale = 1.0
         self.aux_losses: dict = {}
+        self.register_load_state_dict_pre_hook(_check_state_dict_dtypes)
 
     def reset_parameters(self) -> None:
         self.router.reset_parameters()
@@ -393,6 +443,10 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, return_aux_loss: bool = False):
         """``y`` of the shape of ``x``, or ``(y, aux_loss [])`` with ``return_aux_loss``."""
         c = self.config
+        C.check_tensor("MoE", "x", x)
+        if not x.is_floating_point():
+            raise TypeError(f"MoE: expected x to be a floating-point tensor of token features, but "
+                            f"got {x.dtype}")
         if x.dim() not in (2, 3) or x.size(-1) != c.dim:
             raise ValueError(f"MoE: expected input [B, L, {c.dim}] or [T, {c.dim}], but got "
                              f"{tuple(x.shape)}")
