@@ -604,18 +604,18 @@ class TestQuantizationBadInput(TestCase):
         w = torch.randn(2, 64, 32)
         self.assertExpectedInline(
             self.message(ops.quantized_grouped_mm, x, w, i32(40, 96), "mxfp8"),
-            """torch_moe.scaled_grouped_mm: expected every group size to be a multiple of 32 (blocks must not straddle groups; pad groups with token_sort(..., align=32)), but group 0 has 40 rows""",
+            """torch_moe.quantized_grouped_mm: expected every group size to be a multiple of 32 (blocks must not straddle groups; pad groups with token_sort(..., align=32)), but group 0 has 40 rows (offs[0] = 40)""",
         )
         self.assertExpectedInline(
             self.message(ops.quantized_grouped_mm, x, w, i32(24, 96), "fp8_rowwise"),
-            """torch_moe.scaled_grouped_mm: expected every group size to be a multiple of 16 (blocks must not straddle groups; pad groups with token_sort(..., align=16)), but group 0 has 24 rows""",
+            """torch_moe.quantized_grouped_mm: expected every group size to be a multiple of 16 (blocks must not straddle groups; pad groups with token_sort(..., align=16)), but group 0 has 24 rows (offs[0] = 24)""",
         )
 
     def test_non_monotonic_offsets(self):
         self.assertExpectedInline(
             self.message(ops.quantized_grouped_mm, torch.randn(96, 64), torch.randn(2, 64, 32),
                          i32(64, 32), "mxfp8"),
-            """torch_moe.scaled_grouped_mm: expected offs to be non-decreasing and non-negative, but offs[1] = 32 < offs[0] = 64""",
+            """torch_moe.quantized_grouped_mm: expected offs to be non-decreasing and non-negative, but offs[1] = 32 < offs[0] = 64""",
         )
 
     def test_k_not_multiple_of_block(self):

@@ -138,7 +138,7 @@ def check_group_offsets(op: str, offs: torch.Tensor, limit: int, multiple: int =
         raise RuntimeError(
             f"{op}: expected every group size to be a multiple of {multiple} (blocks must not "
             f"straddle groups; pad groups with token_sort(..., align={multiple})), but group {g} "
-            f"has {int(sizes[g])} rows"
+            f"has {int(sizes[g])} rows (offs[{g}] = {int(offs[g])})"
         )
 
 

@@ -60,6 +60,8 @@ def quantize(t, dim, recipe, scale_mode, offs=None):
 
 def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
     check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
+    # the GEMMs check offs too, but an error should name this op, the one the caller called
+    C.check_group_offsets(_OP, offs, input.size(0), C.GROUP_ALIGNMENT[recipe])
     a, scale_a = quantize(input, 1, recipe, scale_mode)
     b, scale_b = quantize(weight, 1, recipe, scale_mode)
     return ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs, input.dtype)
