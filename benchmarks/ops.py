@@ -12,6 +12,10 @@ Sections (``--sections``, all by default):
   the same FLOPs at the best dense GEMM rate available for the dtype, measured in the run.
 * ``saved`` -- bytes each implementation saves for backward, from
   ``torch.autograd.graph.saved_tensors_hooks``.
+* ``frozen`` -- a ``moe_ffn`` training step (forward + backward) with trainable experts against
+  frozen ones (expert weights without ``requires_grad``, as when fine-tuning other layers):
+  time, and peak bytes allocated during the step from the profiler's memory events. The
+  backward skips the weight-gradient GEMMs and their gradient buffers of frozen experts.
 
 Every comparison runs its implementations in one process, interleaved round-robin, and
 reports medians and ratios. An implementation whose GEMMs run in bf16 and whose estimated
@@ -25,6 +29,7 @@ D model dim, F expert hidden dim.
     python benchmarks/ops.py                 # full run, about 10 minutes on 2 idle cores
     python benchmarks/ops.py --quick         # shape (c), fp32, one rep, under a minute
     python benchmarks/ops.py --check         # correctness of all implementations, then exit
+    python benchmarks/ops.py --quick --sections frozen   # frozen vs trainable experts
 """
 
 from __future__ import annotations
@@ -799,6 +804,72 @@ def bench_saved_cell(p: Problem, plans: list[Plan], fp32: Fp32SavedBytes, args) 
 
 
 # --------------------------------------------------------------------------
+# Section: frozen experts
+# --------------------------------------------------------------------------
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before: the running
+    sum of the CPU profiler's allocation and free events, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _frozen_step(p: Problem, api: MoEApi, trainable: bool) -> tuple[Callable, Callable]:
+    """(step, reset) of a moe_ffn training step whose expert weights are trainable or frozen;
+    x requires grad in both, so the backward always runs."""
+    w1, w2, w3 = (w.detach().requires_grad_(trainable) for w in p.weights)
+    x = p.x_TD.detach().requires_grad_()
+
+    def step() -> None:
+        y_TD = api.moe_ffn(x, p.topk_ids_TK, p.topk_weights_TK, w1, w2, w3, activation="swiglu")
+        y_TD.backward(p.grad_out_TD)
+
+    def reset() -> None:
+        for t in (x, w1, w2, w3):
+            t.grad = None
+
+    return step, reset
+
+
+def bench_frozen_cell(p: Problem, api: MoEApi | None, args) -> list[dict]:
+    """Trainable against frozen experts, side by side: median time of interleaved steps and
+    peak bytes of one step (gradients of the previous step released)."""
+    dname = DTYPE_NAMES[p.dtype]
+    base = dict(section="frozen", shape=p.shape.name, dtype=dname)
+    if api is None:
+        return [dict(base, impl="torch_moe", note="not importable")]
+    steps = {name: _frozen_step(p, api, name == "trainable experts")
+             for name in ("trainable experts", "frozen experts")}
+    entries = [Entry(name, step, reset) for name, (step, reset) in steps.items()]
+    interleaved(entries, args.reps, args.warmup)
+    peaks = {}
+    for name, (step, reset) in steps.items():
+        reset()
+        peaks[name] = peak_bytes(step)
+        reset()
+    ref = entries[0]
+    return [
+        dict(base, impl=e.name, n=len(e.times), median_ms=f"{e.median * 1e3:.1f}",
+             vs_trainable=f"{e.median / ref.median:.2f}",
+             peak_MiB=f"{peaks[e.name] / 2**20:.1f}",
+             peak_vs_trainable=f"{peaks[e.name] / peaks[ref.name]:.2f}")
+        for e in entries
+    ]
+
+
+# --------------------------------------------------------------------------
 # Correctness check
 # --------------------------------------------------------------------------
 
@@ -864,6 +935,8 @@ def run_check(api: MoEApi | None, with_torchtitan: bool) -> bool:
 SORT_COLUMNS = ["shape", "dtype", "op", "impl", "n", "median_us", "GBps", "frac_copy", "speedup", "note"]
 FFN_COLUMNS = ["shape", "dtype", "mode", "impl", "n", "median_ms", "frac_ceiling", "vs_obvious", "note"]
 SAVED_COLUMNS = ["shape", "dtype", "impl", "total_MiB", "activations_MiB", "vs_titan_style", "how"]
+FROZEN_COLUMNS = ["shape", "dtype", "impl", "n", "median_ms", "vs_trainable", "peak_MiB",
+                  "peak_vs_trainable", "note"]
 
 
 # --quick's settings; flags given explicitly on the command line take precedence.
@@ -875,7 +948,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="a,b,c", help="comma-separated subset of a,b,c")
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated subset of bf16,fp32")
-    ap.add_argument("--sections", default="sort,ffn,saved", help="comma-separated subset of sort,ffn,saved")
+    ap.add_argument("--sections", default="sort,ffn,saved,frozen",
+                    help="comma-separated subset of sort,ffn,saved,frozen")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per implementation (moe_ffn)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
     ap.add_argument("--op-reps", type=int, default=20, help="timed repetitions for token_sort/permute")
@@ -955,6 +1029,16 @@ def main(argv=None) -> int:
               "storages (x, topk_ids, topk_weights, weights); vs_titan_style = total / activations ratio")
         print(format_table(saved_rows, SAVED_COLUMNS))
     rows += ffn_rows + saved_rows
+
+    if "frozen" in sections:
+        frozen_rows = []
+        for shape in shapes:
+            for dtype in dtypes:
+                frozen_rows += bench_frozen_cell(make_problem(shape, dtype), api, args)
+        print("\n== moe_ffn training step, trainable vs frozen experts: median time; peak bytes "
+              "allocated during one step; ratios to the trainable step")
+        print(format_table(frozen_rows, FROZEN_COLUMNS))
+        rows += frozen_rows
 
     write_csv(args.csv, rows)
     print(f"\nwrote {args.csv} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s")
