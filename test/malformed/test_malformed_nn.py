@@ -85,6 +85,11 @@ def _check_all_dropped(result):
     assert kept.tolist() == [0] * E and int(dropped) == T * K
 
 
+def _same_as_dropless(result, dropless):
+    for got, expected in zip(result, dropless):
+        assert torch.equal(got, expected), f"expected {expected.tolist()}, got {got.tolist()}"
+
+
 def _route(*args, **kw):
     return lambda: F.route(*args, **kw)
 
@@ -210,6 +215,8 @@ CAPACITY_CASES = [
                                              weights=torch.zeros(0, 2), align=16),
          check=_check_empty_sort(E, 16)),
     Case(CAP, "zero_capacity_drops_everything", _capacity(capacity=0), check=_check_all_dropped),
+    Case(CAP, "capacity_beyond_int64_is_dropless", _capacity(capacity=2**70),
+         check=lambda r: _same_as_dropless(r, F.token_sort_with_capacity(_ids(), _weights(), E, T * K))),
     Case(CAP, "nan_weights_drop_deterministically",
          lambda: F.token_sort_with_capacity(torch.zeros(4, 1, dtype=torch.int64),
                                             torch.tensor([[NAN], [1.0], [NAN], [2.0]]), 2, 2)[0],
@@ -405,6 +412,12 @@ def _bad_state_dict(fn):
     return call
 
 
+def _with_aux_loss_scale(scale, load_balance_coeff=0.1):
+    moe = _moe(load_balance_coeff=load_balance_coeff)
+    moe.aux_loss_scale = scale
+    return moe(_ffn_args()[0])
+
+
 MOE_CASES = [
     Case(MOE, "int_tokens", lambda: _moe()(torch.ones(T, D, dtype=torch.int64)), TypeError,
          ("x", "floating", "int64")),
@@ -418,12 +431,27 @@ MOE_CASES = [
     Case(MOE, "tokens_4d", lambda: _moe()(torch.randn(1, 2, 3, D)), ValueError, ("[B, L, 8]", "(1, 2, 3, 8)")),
     Case(MOE, "nan_tokens", lambda: _moe()(torch.full((T, D), NAN)), RuntimeError, ("logits", "NaN or Inf")),
     Case(MOE, "no_tokens", lambda: _moe()(torch.zeros(0, D)), check=_expect((0, D))),
+    Case(MOE, "aux_loss_scale_nan", lambda: _with_aux_loss_scale(NAN), ValueError,
+         ("aux_loss_scale", ">= 0 and finite", "nan")),
+    Case(MOE, "aux_loss_scale_negative", lambda: _with_aux_loss_scale(-1.0), ValueError,
+         ("aux_loss_scale", ">= 0 and finite", "-1.0")),
+    Case(MOE, "aux_loss_scale_str", lambda: _with_aux_loss_scale("1024"), TypeError,
+         ("aux_loss_scale", "float", "str")),
+    Case(MOE, "aux_loss_scale_vector", lambda: _with_aux_loss_scale(torch.ones(2)), ValueError,
+         ("aux_loss_scale", "0-dim", "(2,)")),
+    Case(MOE, "aux_loss_scale_int_tensor", lambda: _with_aux_loss_scale(torch.tensor(4)), TypeError,
+         ("aux_loss_scale", "floating", "int64")),
+    Case(MOE, "aux_loss_scale_ignored_without_aux_losses",
+         lambda: _with_aux_loss_scale(NAN, load_balance_coeff=0.0), check=_expect((T, D))),
     Case(MOE, "no_tokens_3d_with_aux_losses",
          lambda: _moe(load_balance_coeff=0.1, seq_balance_coeff=0.1, z_loss_coeff=0.1,
                       num_shared_experts=1)(torch.zeros(2, 0, D), return_aux_loss=True)[1],
          check=_expect((), value=0.0)),
     Case(MOE, "no_tokens_with_capacity", lambda: _moe(capacity_factor=1.0)(torch.zeros(0, D)),
          check=_expect((0, D))),
+    Case(MOE, "huge_capacity_factor_is_dropless",
+         lambda: (_moe(capacity_factor=1e30)(_ffn_args()[0]), _moe()(_ffn_args()[0])),
+         check=lambda r: _same_as_dropless(r[:1], r[1:])),
     Case(MOE, "load_complex_state_dict",
          _bad_state_dict(lambda sd: sd.update({"router.weight": sd["router.weight"].to(torch.complex64)})),
          TypeError, ("router.weight", "float32", "complex64")),

@@ -347,6 +347,9 @@ def token_sort_with_capacity(
     ids = topk_ids.reshape(-1).long()
     weights = topk_weights.reshape(-1)
     n = ids.numel()
+    # No expert can hold more than all n assignments: a larger capacity (a huge
+    # capacity_factor) is dropless, and past int64 it could not be compared with tensors.
+    capacity = torch.sym_min(capacity, n)
     # order by expert, then weight (descending), then assignment index: two stable sorts
     by_weight = torch.sort(weights.detach(), descending=True, stable=True).indices
     order = by_weight[torch.sort(ids[by_weight], stable=True).indices]

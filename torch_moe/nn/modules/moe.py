@@ -384,6 +384,20 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_y, grad_aux, None
 
 
+def _check_loss_scale(scale) -> None:
+    # a NaN, Inf or negative scale would turn every router gradient into garbage
+    name = "aux_loss_scale"
+    if not isinstance(scale, Tensor):
+        C.check_real("MoE", name, scale, low=0)
+        return
+    if not scale.is_floating_point():
+        raise TypeError(f"MoE: expected {name} to be a float or a floating-point 0-dim tensor, but "
+                        f"got {scale.dtype}")
+    if scale.dim() != 0:
+        raise ValueError(f"MoE: expected {name} to be a float or a 0-dim tensor, but got shape "
+                         f"{tuple(scale.shape)}")
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts FFN block that can stand in for the MoE blocks of Mixtral,
     Qwen3-MoE, DeepSeek-V3, gpt-oss and torchtitan.
@@ -536,6 +550,7 @@ class MoE(nn.Module):
     def _attach_aux_loss(self, y: Tensor, aux_loss: Optional[Tensor]) -> Tensor:
         if aux_loss is None:
             return y
+        _check_loss_scale(self.aux_loss_scale)
         return _AttachAuxLoss.apply(y, aux_loss, self.aux_loss_scale)
 
     @torch.no_grad()
