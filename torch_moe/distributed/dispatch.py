@@ -615,8 +615,8 @@ def expert_parallel_moe_ffn(
     """
     R = dist.get_world_size(group)
     _check_tensors(x, topk_ids, topk_weights, num_experts, R)
-    _check_experts(w1_local, w2_local, w3_local, x, num_experts // R, activation)
     _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
+    _check_experts(w1_local, w2_local, w3_local, x, num_experts // R, activation)
     layer = _Layer.of(x, topk_ids, num_experts=num_experts, group=group, activation=activation,
                       alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
                       capacity_factor=capacity_factor)
