@@ -169,12 +169,13 @@ def route(
       DeepSeek-V3); the weights are the unbiased scores.
     - ``num_groups`` / ``topk_groups``: group-limited routing: experts form ``num_groups`` equal
       groups, a group's score is the sum of its top-2 (biased) scores, and each token picks its
-      experts from its ``topk_groups`` best groups only.
+      experts from its ``topk_groups`` best groups only. Both are given or neither;
+      ``num_groups`` divides E and the kept groups hold at least ``top_k`` experts.
     - ``normalize``: renormalise the k weights to sum to one; ``scale``: multiply them by this.
 
     Ties are broken towards the lowest expert id. With ``check_finite`` a NaN or Inf in the
-    logits raises (an on-device assert, no host synchronisation) instead of silently routing
-    every token to expert 0.
+    logits or in ``expert_bias`` raises (an on-device assert, no host synchronisation) instead
+    of silently routing every token to expert 0.
     """
     _check_route(logits, top_k, score_func, topk_before_score, expert_bias, num_groups,
                  topk_groups, scale)

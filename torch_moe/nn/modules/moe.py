@@ -56,7 +56,7 @@ class MoEConfig:
         capacity_factor: ``None`` is dropless; a number c caps each expert at
             ``ceil(c * T * k / E)`` assignments and drops the lowest-weighted ones beyond.
         num_shared_experts: shared (always-on) experts, fused into one FFN of width
-            ``num_shared_experts * (shared_hidden_dim or hidden_dim)``.
+            ``num_shared_experts * shared_hidden_dim``.
         shared_hidden_dim: FFN dim of one shared expert, >= 1; ``None`` (the default) means
             ``hidden_dim``. A layer without shared experts has ``num_shared_experts=0``.
         shared_expert_gate: scale the shared output by ``sigmoid(x @ gate)`` (Qwen2-MoE).
