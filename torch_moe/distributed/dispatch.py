@@ -235,7 +235,6 @@ _SIGNATURE = (
 _S = len(_SIGNATURE)
 # a header row: the signature, one column per chunk, then the flags of the ids
 _OUT_OF_RANGE, _REPEATED = _S + _MAX_CHUNKS, _S + _MAX_CHUNKS + 1
-_HEADER_WIDTH = _S + _MAX_CHUNKS + 2
 
 
 def _check_signatures(signatures: list[list[int]]) -> None:
@@ -271,8 +270,8 @@ class _Splits:
 
 
 def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]:
-    """The first collective of a call: one fixed-size all-to-all of a ``[R, _HEADER_WIDTH]``
-    int64 header per rank, then one device-to-host copy.
+    """The first collective of a call: one all-to-all of an int64 header ``[R, S + 16 + 2]``
+    per rank, whose width depends on no argument, then one device-to-host copy.
 
     A header row holds the layer signature, one column per chunk (the rows for that destination
     in exact mode, this rank's capacity ``C`` in capacity mode) and the flags of the expert ids
@@ -282,7 +281,7 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
     copies only the signature and the capacities (no value that depends on the tokens) and
     asserts on the flags on the device (an asynchronous assertion: a ``RuntimeError`` on every
     rank on CPU, a device-side assertion on CUDA)."""
-    R, G, n = layer.R, layer.G, layer.num_chunks
+    R, n = layer.R, layer.num_chunks
     device = bad.device
     if layer.capacity_factor is None:
         columns = torch.stack([p[-1] for p in planned], 1)  # [R, n] rows per destination
@@ -381,7 +380,7 @@ def _pack(topk_ids: Tensor, topk_weights: Tensor, planned, layer: _Layer,
           splits: _Splits) -> _Chunk:
     """Builds the send buffers of one chunk from :func:`_order_rows`' plan, with ops of static
     output shapes only (scatters into buffers of host-known size, no boolean indexing)."""
-    order, sdest, row, col, is_first, rows_per_dest = planned
+    order, sdest, row, col, _, rows_per_dest = planned
     G, R, W, capacity = layer.G, layer.R, layer.W, splits.capacity
     device = topk_ids.device
     if capacity is None:
@@ -421,7 +420,7 @@ def _dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer: _Layer, plann
     (``last_expert_load``; in capacity mode also the row counts and ``dropped``). In capacity
     mode every shape here follows from the splits: no op has a data-dependent shape and
     nothing is read on the host, so this part traces into one graph."""
-    R, G, W, rank, group = layer.R, layer.G, layer.W, layer.rank, layer.group
+    G, rank, group = layer.G, layer.rank, layer.group
     device = x.device
     chunks = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
               for (s, e), p, sp in zip(layer.spans, planned, splits)]
