@@ -49,6 +49,19 @@ def _pos_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: expected {name} to be a positive int, but got {value!r}")
 
 
+# The model walks per-expert Python lists (counts, rank slices), and the planner prices
+# hundreds of strategies: a bound on E keeps an absurd size an error instead of a hang. 4096 is
+# far above today's layers (DeepSeek-V3: 256) and plans in seconds.
+MAX_EXPERTS = 1 << 12
+
+
+def _check_num_experts(owner: str, num_experts) -> None:
+    _pos_int(owner, "num_experts", num_experts)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"{owner}: expected num_experts <= {MAX_EXPERTS}, but got "
+                         f"{num_experts}")
+
+
 @dataclass(frozen=True)
 class MoELayerSpec:
     """Shapes of one MoE layer.
@@ -72,8 +85,9 @@ class MoELayerSpec:
 
     def __post_init__(self):
         owner = "MoELayerSpec"
-        for name in ("dim", "hidden_dim", "num_experts", "top_k"):
+        for name in ("dim", "hidden_dim", "top_k"):
             _pos_int(owner, name, getattr(self, name))
+        _check_num_experts(owner, self.num_experts)
         if self.top_k > self.num_experts:
             raise ValueError(f"{owner}: expected top_k <= num_experts, but got top_k="
                              f"{self.top_k} > num_experts={self.num_experts}")
@@ -221,7 +235,7 @@ def expert_counts(num_experts: int, assignments: float, load="uniform") -> list[
     normalised, so hot experts land on random ids and the same exponent always gives the same
     shape); or per-expert counts / weights (a tensor or list of ``E`` numbers), rescaled.
     """
-    _pos_int("expert_counts", "num_experts", num_experts)
+    _check_num_experts("expert_counts", num_experts)
     if not (isinstance(assignments, (int, float)) and not isinstance(assignments, bool)
             and math.isfinite(assignments) and assignments >= 0):
         raise ValueError(f"expected assignments to be a finite number >= 0, but got "
@@ -290,6 +304,9 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
     if not isinstance(layer, MoELayerSpec) or not isinstance(strategy, MoEStrategy):
         raise ValueError("expected an MoELayerSpec and an MoEStrategy, but got "
                          f"{type(layer).__name__} and {type(strategy).__name__}")
+    if not isinstance(profile, DeviceProfile):
+        raise ValueError(f"moe_layer_cost: expected profile to be a DeviceProfile, but got "
+                         f"{type(profile).__name__}")
     ep, etp, k, E = strategy.ep, strategy.etp, layer.top_k, layer.num_experts
     if E % ep != 0:
         raise ValueError(f"num_experts={E} is not divisible by ep={ep}: expert parallelism "

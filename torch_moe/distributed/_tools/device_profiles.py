@@ -45,9 +45,9 @@ def _check_curve(name: str, curve) -> tuple[tuple[float, float], ...]:
         raise ValueError(f"DeviceProfile: expected {name} to have at least one (rows, fraction) "
                          f"point, but got none")
     xs = [x for x, _ in points]
-    if any(x <= 0 for x in xs) or xs != sorted(xs) or len(set(xs)) != len(xs):
-        raise ValueError(f"DeviceProfile: expected the rows of {name} to be positive and strictly "
-                         f"increasing, but got {xs}")
+    if any(not (0 < x < math.inf) for x in xs) or xs != sorted(xs) or len(set(xs)) != len(xs):
+        raise ValueError(f"DeviceProfile: expected the rows of {name} to be finite, positive and "
+                         f"strictly increasing, but got {xs}")
     if any(not 0 < y <= 1 for _, y in points):
         raise ValueError(f"DeviceProfile: expected the fractions of {name} to lie in (0, 1], but "
                          f"got {[y for _, y in points]}")
@@ -157,24 +157,32 @@ class DeviceProfile:
         for prec, flops in self.peak_flops.items():
             if prec not in PRECISIONS:
                 raise ValueError(f"{fn}: expected precisions in {PRECISIONS}, but got {prec!r}")
-            if not flops > 0:
-                raise ValueError(f"{fn}: expected peak_flops[{prec!r}] > 0, but got {flops}")
+            if not 0 < flops < math.inf:
+                raise ValueError(f"{fn}: expected peak_flops[{prec!r}] to be finite and > 0, but "
+                                 f"got {flops}")
         for prec, mult in self.precision_efficiency.items():
             if prec not in PRECISIONS or not 0 < mult <= 1:
                 raise ValueError(f"{fn}: expected precision_efficiency entries (precision in "
                                  f"{PRECISIONS}, multiplier in (0, 1]), but got {prec!r}: {mult}")
+        # an infinite memory or bandwidth would price everything at zero
         for attr in ("memory_bytes", "memory_bandwidth_Bps", "intra_node_bandwidth_Bps",
-                     "inter_node_bandwidth_Bps", "fresh_alloc_threshold_bytes"):
-            if not getattr(self, attr) > 0:
-                raise ValueError(f"{fn}: expected {attr} > 0, but got {getattr(self, attr)}")
-        if self.elementwise_bandwidth_Bps is not None and not self.elementwise_bandwidth_Bps > 0:
-            raise ValueError(f"{fn}: expected elementwise_bandwidth_Bps > 0 or None, but got "
-                             f"{self.elementwise_bandwidth_Bps}")
+                     "inter_node_bandwidth_Bps"):
+            if not 0 < getattr(self, attr) < math.inf:
+                raise ValueError(f"{fn}: expected {attr} to be finite and > 0, but got "
+                                 f"{getattr(self, attr)}")
+        if not self.fresh_alloc_threshold_bytes > 0:  # inf: no allocation is fresh
+            raise ValueError(f"{fn}: expected fresh_alloc_threshold_bytes > 0, but got "
+                             f"{self.fresh_alloc_threshold_bytes}")
+        if self.elementwise_bandwidth_Bps is not None and not (
+                0 < self.elementwise_bandwidth_Bps < math.inf):
+            raise ValueError(f"{fn}: expected elementwise_bandwidth_Bps to be finite and > 0, or "
+                             f"None, but got {self.elementwise_bandwidth_Bps}")
         for attr in ("intra_node_latency_s", "inter_node_latency_s", "gemm_call_s",
                      "per_group_s", "layer_overhead_s", "dispatch_row_s",
                      "page_fault_s_per_byte"):
-            if not getattr(self, attr) >= 0:
-                raise ValueError(f"{fn}: expected {attr} >= 0, but got {getattr(self, attr)}")
+            if not 0 <= getattr(self, attr) < math.inf:
+                raise ValueError(f"{fn}: expected {attr} to be finite and >= 0, but got "
+                                 f"{getattr(self, attr)}")
         if isinstance(self.gemm_tile_rows, bool) or not isinstance(self.gemm_tile_rows, int) \
                 or self.gemm_tile_rows < 1:
             raise ValueError(f"{fn}: expected gemm_tile_rows to be a positive int, but got "
@@ -201,6 +209,10 @@ class DeviceProfile:
     def gemm_flops(self, precision: str, rows: float, wgrad: bool = False) -> float:
         """Achieved FLOP/s of one GEMM whose token dimension has ``rows`` rows."""
         self.check_precision(precision)
+        if isinstance(rows, bool) or not isinstance(rows, (int, float)) or not (
+                0 <= rows < math.inf):
+            raise ValueError(f"DeviceProfile.gemm_flops: expected rows to be a finite number "
+                             f">= 0, but got {rows!r}")
         curve = self.wgrad_efficiency if wgrad else self.gemm_efficiency
         mult = self.precision_efficiency.get(precision, 1.0)
         return self.peak_flops[precision] * mult * _interp(curve, max(rows, 1.0))
@@ -213,11 +225,26 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, text: str) -> "DeviceProfile":
-        d = json.loads(text)
-        names = {f.name for f in dataclasses.fields(cls)}
+        fn = "DeviceProfile.from_json"
+        try:
+            d = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{fn}: expected the JSON of a DeviceProfile, but got text that "
+                             f"does not parse ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{fn}: expected a JSON object of DeviceProfile fields, but got "
+                             f"{type(d).__name__}")
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"DeviceProfile.from_json: unknown fields {sorted(unknown)}")
+            raise ValueError(f"{fn}: unknown fields {sorted(unknown)}")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ValueError(f"{fn}: expected the required fields {required}, but {missing} "
+                             "are missing")
         if d.get("fresh_alloc_threshold_bytes", 0) is None:
             d["fresh_alloc_threshold_bytes"] = math.inf
         return cls(**d)

@@ -48,6 +48,17 @@ def _pos_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: expected {name} to be a positive int, but got {value!r}")
 
 
+# per-layer tuples (one precision per MoE layer) are built: bound the layer count so that an
+# absurd one is an error, not a memory blow-up
+MAX_LAYERS = 1 << 16
+
+
+def _check_type(owner: str, name: str, value, cls) -> None:
+    if not isinstance(value, cls):
+        raise ValueError(f"{owner}: expected {name} to be a {cls.__name__} instance, but got "
+                         f"{type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """One attention block as counts per token.
@@ -95,6 +106,10 @@ class AttentionSpec:
     def mla(cls, dim: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
             qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> "AttentionSpec":
         """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections."""
+        for name, v in (("dim", dim), ("num_heads", num_heads), ("q_lora_rank", q_lora_rank),
+                        ("kv_lora_rank", kv_lora_rank), ("qk_nope_head_dim", qk_nope_head_dim),
+                        ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
+            _pos_int("AttentionSpec.mla", name, v)
         qk = qk_nope_head_dim + qk_rope_head_dim
         params = (dim * q_lora_rank + q_lora_rank * num_heads * qk
                   + dim * (kv_lora_rank + qk_rope_head_dim)
@@ -129,13 +144,23 @@ class ModelSpec:
     dense_hidden_dim: int | None = None
 
     def __post_init__(self):
+        owner = "ModelSpec"
+        _check_type(owner, "moe", self.moe, MoELayerSpec)
+        _check_type(owner, "attention", self.attention, AttentionSpec)
         for name in ("num_layers", "vocab_size", "seq_len", "tokens_per_batch"):
-            _pos_int("ModelSpec", name, getattr(self, name))
-        if not 0 <= self.num_dense_layers <= self.num_layers:
-            raise ValueError(f"ModelSpec: expected 0 <= num_dense_layers <= num_layers="
-                             f"{self.num_layers}, but got {self.num_dense_layers}")
+            _pos_int(owner, name, getattr(self, name))
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"{owner}: expected num_layers <= {MAX_LAYERS}, but got "
+                             f"{self.num_layers}")
+        if isinstance(self.num_dense_layers, bool) or not isinstance(
+                self.num_dense_layers, int) or not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(f"{owner}: expected num_dense_layers to be an int in [0, "
+                             f"num_layers={self.num_layers}], but got {self.num_dense_layers!r}")
         if self.num_dense_layers and self.dense_hidden_dim is None:
-            raise ValueError("ModelSpec: dense layers need dense_hidden_dim")
+            raise ValueError(f"{owner}: expected dense_hidden_dim for num_dense_layers="
+                             f"{self.num_dense_layers}, but got None")
+        if self.dense_hidden_dim is not None:
+            _pos_int(owner, "dense_hidden_dim", self.dense_hidden_dim)
         if self.tokens_per_batch % self.seq_len != 0:
             raise ValueError(f"ModelSpec: tokens_per_batch={self.tokens_per_batch} is not a "
                              f"multiple of seq_len={self.seq_len}")
@@ -209,6 +234,9 @@ class Strategy:
 
     def __post_init__(self):
         _pos_int("Strategy", "micro_batch_seqs", self.micro_batch_seqs)
+        if not isinstance(self.precision, (str, tuple)) or self.precision == ():
+            raise ValueError(f"Strategy: expected precision to be a precision name or a "
+                             f"non-empty tuple of them, but got {self.precision!r}")
         if self.sharding not in memory_cost.SHARDING_MODES:
             raise ValueError(f"Strategy: unknown sharding {self.sharding!r}: expected one of "
                              f"{memory_cost.SHARDING_MODES}")
@@ -279,9 +307,11 @@ def estimate_step(model: ModelSpec, cluster: ClusterSpec, strategy: Strategy,
     ranks, ``E`` not divisible by EP, a batch that does not split into micro-batches, a
     precision the device lacks).
     """
-    if not isinstance(model, ModelSpec) or not isinstance(cluster, ClusterSpec) \
-            or not isinstance(strategy, Strategy):
-        raise ValueError("expected a ModelSpec, a ClusterSpec and a Strategy")
+    owner = "estimate_step"
+    _check_type(owner, "model", model, ModelSpec)
+    _check_type(owner, "cluster", cluster, ClusterSpec)
+    _check_type(owner, "strategy", strategy, Strategy)
+    _check_type(owner, "optimizer", optimizer, memory_cost.OptimizerSpec)
     prof, W, gpn = cluster.profile, cluster.world_size, cluster.gpus_per_node
     ep, etp = strategy.ep, strategy.etp
     if W % (ep * etp) != 0:
@@ -409,6 +439,15 @@ def candidate_strategies(model: ModelSpec, cluster: ClusterSpec,
     dispatch method the model allows; each precision the device has, uniformly and with the
     first and last MoE layers kept in bf16 (a common FP8 recipe); the given chunk counts and
     micro-batch sizes that split the batch; all recompute and sharding modes."""
+    owner = "candidate_strategies"
+    _check_type(owner, "model", model, ModelSpec)
+    _check_type(owner, "cluster", cluster, ClusterSpec)
+    for name, values in (("chunks", chunks), ("micro_batch_seqs", micro_batch_seqs)):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise ValueError(f"{owner}: expected {name} to be a sequence of positive ints, but "
+                             f"got {values!r}")
+        for v in values:
+            _pos_int(owner, name, v)
     W, gpn = cluster.world_size, cluster.gpus_per_node
     layer = model.moe
     prof = cluster.profile
@@ -457,6 +496,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec,
          optimizer: memory_cost.OptimizerSpec = memory_cost.ADAMW_MIXED, load="uniform",
          strategies=None) -> Plan:
     """Price every candidate (or the given ``strategies``) and rank the ones that fit."""
+    _check_type("plan", "model", model, ModelSpec)
+    _check_type("plan", "cluster", cluster, ClusterSpec)
     if strategies is None:
         strategies = candidate_strategies(model, cluster)
     cache: dict = {}
@@ -514,6 +555,8 @@ def format_plan(result: Plan, top: int = 10) -> str:
     """The ranking as a table (seconds per step, GiB per rank) and why the winner wins: its
     bottleneck, the runner-up, and the best strategy that differs in each of dispatch,
     precision, recompute, sharding and parallel layout."""
+    _check_type("format_plan", "result", result, Plan)
+    _pos_int("format_plan", "top", top)
     m, cl = result.model, result.cluster
     head = (f"{m.name}: {m.params / 1e9:.0f}B params ({m.expert_params / 1e9:.0f}B in experts), "
             f"{m.tokens_per_batch:,} tokens/step on {cl.world_size} x {cl.profile.name} "
