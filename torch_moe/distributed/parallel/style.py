@@ -257,6 +257,9 @@ def _check_divides(name: str, what: str, size: int, mesh_what: str, degree: int)
 
 def _check_dispatch_options(name: str, options: dict) -> dict:
     # checked here, not at the first forward: the accepted keywords follow the dispatcher
+    if not isinstance(options, dict):
+        raise ValueError(f"{name}: expected dispatch_options to be a dict of keyword arguments, "
+                         f"but got {type(options).__name__}")
     accepted = {
         p.name for p in inspect.signature(expert_parallel_moe_ffn).parameters.values()
         if p.kind == inspect.Parameter.KEYWORD_ONLY
@@ -298,8 +301,8 @@ class ExpertParallel(_ExpertStyle):
 
     def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
         super().__init__()
-        self.dispatch_options = _check_dispatch_options(type(self).__name__,
-                                                        dispatch_options or {})
+        self.dispatch_options = _check_dispatch_options(
+            type(self).__name__, {} if dispatch_options is None else dispatch_options)
 
     def _placements(self, name: str) -> list:
         return [Shard(0)]
@@ -344,8 +347,8 @@ class ExpertTensorParallel(_ExpertStyle):
 
     def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
         super().__init__()
-        self.dispatch_options = _check_dispatch_options(type(self).__name__,
-                                                        dispatch_options or {})
+        self.dispatch_options = _check_dispatch_options(
+            type(self).__name__, {} if dispatch_options is None else dispatch_options)
 
     def _placements(self, name: str) -> list:
         return [Shard(0), Shard(_FFN_DIM[name])]
