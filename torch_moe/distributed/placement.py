@@ -241,6 +241,11 @@ def plan_placement(load: Tensor, num_ranks: int, slots_per_rank: int) -> Placeme
         has a free slot and holds no other replica of the same expert (when such a rank
         exists). Within a rank the slots are ordered by expert id. Ties go to the lowest expert,
         replica and rank index, so the result depends only on the arguments.
+
+    Raises:
+        ValueError: on a load that is not a finite, non-negative ``[E]`` tensor with values
+            (not on the meta device), on fewer than ``E`` slots, and on more than
+            :data:`MAX_PHYSICAL_SLOTS` slots.
     """
     fn = "plan_placement"
     num_ranks = _positive_int(fn, "num_ranks", num_ranks)
