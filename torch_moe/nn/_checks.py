@@ -12,10 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_moe._checks import FLOAT_DTYPES, INDEX_DTYPES
-
-# offs are int32 group ends (the torch._grouped_mm convention): no count or slot may pass this
-INT32_MAX = 2**31 - 1
+# MAX_EXPERTS and MAX_SLOTS are re-exported for the nn entry points
+from torch_moe._checks import FLOAT_DTYPES, INDEX_DTYPES, MAX_EXPERTS, MAX_SLOTS  # noqa: F401
 # the most elements a tensor may hold so that its size in bytes (8 per element at most) fits
 # in int64, as every storage size does
 MAX_NUMEL = (2**63 - 1) // 8

@@ -380,7 +380,7 @@ def token_sort_with_capacity(
 
 def _check_token_sort_with_capacity(topk_ids, topk_weights, num_experts, capacity, align) -> None:
     fn = "token_sort_with_capacity"
-    C.check_int(fn, "num_experts", num_experts, 1, C.INT32_MAX)
+    C.check_int(fn, "num_experts", num_experts, 1, C.MAX_EXPERTS)
     C.check_int(fn, "capacity", capacity, 0)
     C.check_int(fn, "align", align, 1)
     C.check_index_tensor(fn, "topk_ids", topk_ids)
@@ -394,9 +394,9 @@ def _check_token_sort_with_capacity(topk_ids, topk_weights, num_experts, capacit
     C.check_shape(fn, "topk_weights", topk_weights, topk_ids.shape, "the shape of topk_ids")
     C.check_same_device(fn, "topk_weights", topk_weights, "topk_ids", topk_ids)
     slots = topk_ids.numel() + num_experts * (align - 1)
-    if slots > C.INT32_MAX:
+    if slots > C.MAX_SLOTS:
         raise ValueError(f"{fn}: expected T * k + num_experts * (align - 1) sorted slots to fit the "
-                         f"int32 offs (<= {C.INT32_MAX}), but got {slots} with num_experts="
+                         f"int32 offs (<= {C.MAX_SLOTS}), but got {slots} with num_experts="
                          f"{num_experts} and align={align}")
     C.check_expert_ids(fn, topk_ids, num_experts)
 

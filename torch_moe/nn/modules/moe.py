@@ -105,8 +105,10 @@ class MoEConfig:
             if not cond:
                 raise ValueError(f"{fn}: {msg}")
 
-        for name in ("dim", "hidden_dim", "num_experts", "top_k"):
-            C.check_int(fn, name, getattr(self, name), 1)
+        C.check_int(fn, "dim", self.dim, 1)
+        C.check_int(fn, "hidden_dim", self.hidden_dim, 1)
+        C.check_int(fn, "num_experts", self.num_experts, 1, C.MAX_EXPERTS)
+        C.check_int(fn, "top_k", self.top_k, 1)
         need(self.top_k <= self.num_experts,
              f"expected top_k <= num_experts, but got top_k={self.top_k} > num_experts={self.num_experts}")
         C.check_int(fn, "num_shared_experts", self.num_shared_experts, 0)
