@@ -157,6 +157,18 @@ def check_permute(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int) -> None
     torch._check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
 
 
+def check_permute_out(x, sorted_ids, top_k, out) -> None:
+    check_permute(x, sorted_ids, top_k)
+    op = "torch_moe.permute.out"
+    expected = (sorted_ids.size(0), x.size(1))
+    torch._check(
+        out.shape == expected and out.dtype == x.dtype,
+        lambda: f"{op}: expected out of shape {expected} and dtype {x.dtype}, "
+        f"but got {tuple(out.shape)} and {out.dtype}",
+    )
+    check_same_device(op, {"x": x, "out": out})
+
+
 def check_permute_backward(grad, sorted_ids, top_k, num_tokens) -> None:
     op = "torch_moe.permute_backward"
     check_dim(op, "grad", grad, 2)

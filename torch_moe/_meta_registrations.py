@@ -35,13 +35,7 @@ def permute_meta(x, sorted_ids, top_k):
 
 @_register("permute.out")
 def permute_out_meta(x, sorted_ids, top_k, *, out):
-    _checks.check_permute(x, sorted_ids, top_k)
-    torch._check(
-        out.shape == (sorted_ids.size(0), x.size(1)) and out.dtype == x.dtype,
-        lambda: "torch_moe.permute.out: expected out of shape "
-        f"{(sorted_ids.size(0), x.size(1))} and dtype {x.dtype}, "
-        f"but got {tuple(out.shape)} and {out.dtype}",
-    )
+    _checks.check_permute_out(x, sorted_ids, top_k, out)
 
 
 @_register("permute_backward")

@@ -84,11 +84,14 @@ def _check_index_range(op: str, name: str, index: torch.Tensor, high: int, allow
 def _check_unique_assignments(op: str, sorted_ids: torch.Tensor, num_assignments: int) -> None:
     """Each assignment t * k + j occurs at most once in ``sorted_ids`` (-1 padding any number of
     times): a duplicate would count a token twice in a sum that its backward cannot invert.
-    One bincount, with padding shifted into a bin of its own."""
+    One bincount, with padding shifted into a bin of its own; ``sorted_ids`` is range-checked,
+    so the bins stop at its largest value, whatever ``num_assignments`` is."""
     if sorted_ids.numel() == 0 or num_assignments == 0:
         return
-    counts = torch.bincount(sorted_ids + 1, minlength=num_assignments + 1)[1:]
-    most, assignment = (int(v) for v in torch.max(counts, 0))
+    counts = torch.bincount(sorted_ids + 1)
+    counts[0] = 0  # padding
+    most, bin_ = (int(v) for v in torch.max(counts, 0))
+    assignment = bin_ - 1
     torch._check(
         most <= 1,
         lambda: f"{op}: expected each assignment t * k + j at most once in sorted_ids, but "
@@ -240,13 +243,7 @@ def token_sort(topk_ids: torch.Tensor, num_experts: int, align: int = 1):
 
 def permute_out(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, *, out: torch.Tensor):
     op = "torch_moe.permute"
-    _checks.check_permute(x, sorted_ids, top_k)
-    expected = (sorted_ids.size(0), x.size(1))
-    torch._check(
-        tuple(out.shape) == expected and out.dtype == x.dtype,
-        lambda: f"{op}.out: expected out of shape {expected} and dtype {x.dtype}, "
-        f"but got {tuple(out.shape)} and {out.dtype}",
-    )
+    _checks.check_permute_out(x, sorted_ids, top_k, out)
     rows, pad = _token_rows(op, sorted_ids, top_k, x.size(0))
     return _gather_rows(x, rows, pad, out)
 
