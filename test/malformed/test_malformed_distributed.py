@@ -12,9 +12,11 @@ created for the call and destroyed after it.
 Run: ``python -m pytest test/malformed/test_malformed_distributed.py -q -p no:cacheprovider``.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 
 import torch
@@ -700,6 +702,36 @@ def local(shape=(4, 2)):
     return {"w1": torch.zeros(shape)}
 
 
+_SAVED = {}
+
+
+def saved_checkpoint() -> str:
+    """A single-process checkpoint of logical experts ``w1 [8, 2]`` (row e holds 2e, 2e + 1)."""
+    if "dir" not in _SAVED:
+        import tempfile
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        path = tempfile.mkdtemp(prefix="moe_malformed_ckpt_")
+        atexit.register(shutil.rmtree, path, True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group: DCP saves from this process
+            dcp.save({"w1": torch.arange(16.0).view(E, 2)}, checkpoint_id=path)
+        _SAVED["dir"] = path
+    return _SAVED["dir"]
+
+
+def load_into(state, placement, keys=("w1",), rank=0):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.load_logical_expert_state_dict(state, placement, rank, list(keys),
+                                            checkpoint_id=saved_checkpoint())
+    return state
+
+
 CKPT_CASES = [
     Case(f"{CKPT}.expert_runs", "rank_out_of_range",
          lambda: ckpt.expert_runs(naive(), 2, primary_only=True), ValueError,
@@ -759,6 +791,25 @@ CKPT_CASES = [
          lambda: ckpt.load_logical_expert_state_dict(local((5, 2)), naive(), 0, ["w1"],
                                                      checkpoint_id="/nonexistent/ckpt"),
          ValueError, needles=("'w1'", "slots_per_rank = 4", "shape (5, 2)")),
+    Case(f"{CKPT}.load_logical_expert_state_dict", "checkpoint_of_other_experts",
+         lambda: load_into({"w1": torch.zeros(2, 2)},
+                           Placement.from_phys_to_logical(torch.arange(4), 2, 4)), ValueError,
+         needles=("'w1'", "the placement's 4 logical experts", "it has 8")),
+    Case(f"{CKPT}.load_logical_expert_state_dict", "checkpoint_of_other_dtype",
+         lambda: load_into({"w1": torch.zeros(4, 2, dtype=torch.float64)}, naive()), ValueError,
+         needles=("'w1'", "local dtype torch.float64", "but got torch.float32")),
+    Case(f"{CKPT}.load_logical_expert_state_dict", "checkpoint_of_other_expert_shape",
+         lambda: load_into({"w1": torch.zeros(4, 3)}, naive()), ValueError,
+         needles=("'w1'", "per-expert shape (3,)", "but got (2,)")),
+    Case(f"{CKPT}.load_logical_expert_state_dict", "key_not_in_checkpoint",
+         lambda: load_into({"w3": torch.zeros(4, 2)}, naive(), keys=("w3",)), ValueError,
+         needles=("a tensor [8, ...] for 'w3'", "but got nothing")),
+    Case(f"{CKPT}.load_logical_expert_state_dict", "replicas_on_one_rank",
+         # rank 0's five slots hold experts 5, 5, 7, 0, 1: the second copy of 5 is filled too
+         lambda: load_into({"w1": torch.zeros(5, 2)}, Placement.from_phys_to_logical(
+             torch.tensor([5, 5, 7, 0, 1, 2, 3, 4, 6, 6]), 2, E))["w1"],
+         check=expected(torch.tensor([[10.0, 11.0], [10.0, 11.0], [14.0, 15.0], [0.0, 1.0],
+                                      [2.0, 3.0]]))),
     Case(f"{CKPT}.save_expert_parallel_checkpoint", "model_not_a_module",
          lambda: ckpt.save_expert_parallel_checkpoint(3, checkpoint_id="/tmp/unused"),
          ValueError, needles=("model", "an nn.Module", "but got int")),
