@@ -187,6 +187,15 @@ class TestPlacement(TestCase):
                                         rf"ids in \[{min(bad, 0)}, {max(bad, 4)}\]"):
                 route_to_replicas(ids, p)
 
+    def test_route_rejects_ids_out_of_range_compiled(self):
+        # the compiled graph keeps the check as an on-device assert (no graph break)
+        p = naive_placement()
+        route = torch.compile(route_to_replicas, backend="aot_eager", fullgraph=True)
+        ids = torch.tensor([[0, 5], [3, 4]])
+        self.assertEqual(route(ids, p), route_to_replicas(ids, p))
+        with self.assertRaisesRegex(RuntimeError, rf"expected topk_ids in \[0, {E}\)"):
+            route(torch.tensor([[0, -1], [3, 4]]), p)
+
     def test_plan_absurd_sizes_fail_fast(self):
         # 10**9 ranks or 10**12 slots: an error naming the sizes, not minutes of planning
         for ranks, slots in ((10**9, 1), (2, 10**12)):
