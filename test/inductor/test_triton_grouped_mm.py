@@ -211,6 +211,9 @@ def _check_indexed_padding_reads_no_row() -> None:
         ("gather+weight", (x, w, offs, gather, None, scale, -1), True),
         ("gather+scatter+weight", (x_dropped, w, offs, gather, scatter, scale_dropped, 5), False),
         ("gather+scatter+weight", (x_dropped, w, offs, gather, scatter, scale_dropped, 5), True),
+        # every slot dropped, no output rows
+        ("all dropped", (x, w, offs, gather, torch.full((10,), -1), scale, 0), True),
+        ("all dropped", (x, w, offs, gather, torch.full((10,), -1), scale, 0), False),
     ]
     for name, args, deterministic in cases:
         for config in ("small", "default"):

@@ -491,7 +491,9 @@ def indexed_grouped_mm(
             _launch_rows(input, weight, offs, gather_index, None, scatter_weight, rows, S, config)
         rows.masked_fill_((scatter_index < 0).unsqueeze(1), 0)
         acc = torch.zeros((num_out_rows, N), dtype=acc_dtype, device=input.device)
-        acc.index_add_(0, scatter_index.clamp(min=0), rows)
+        if acc.size(0):
+            # with no output rows every slot is dropped (-1): there is no row 0 to clamp to
+            acc.index_add_(0, scatter_index.clamp(min=0), rows)
     else:
         acc = torch.zeros((num_out_rows, N), dtype=acc_dtype, device=input.device)
         if S > 0 and acc.numel():
