@@ -197,6 +197,10 @@ def _permute_specs(fn):
         ("complex_x_is_copied", lambda: fn(_x().to(torch.complex64), sid(), K),
          _equal(lambda: _x().to(torch.complex64)[sid() // K])),
         ("huge_top_k", lambda: fn(_x(), _ids(0, 5, 7), 2**62), _equal(lambda: _x()[[0, 0, 0]])),
+        ("huge_top_k_huge_ids", lambda: fn(_x(), _ids(2**62 + 1, 0, 2**63 - 1), 2**62),
+         _equal(lambda: _x()[[1, 0, 1]])),
+        ("huge_top_k_duplicate", lambda: fn(_x(), _ids(2**62 + 1, 0, 2**62 + 1), 2**62),
+         ("sorted_ids", "at most once", f"assignment {2**62 + 1} appears 2 times")),
         ("meta", lambda: fn(_x().to("meta"), pad().to("meta"), K), _expect((17, D))),
     ]
 
@@ -248,6 +252,9 @@ def _permute_backward_specs():
         ("num_tokens_too_few", lambda: fn(torch.randn(S, D), sid(), K, T - 1),
          ("sorted_ids", f"[-1, {(T - 1) * K})", f"[0, {S - 1}]")),
         ("top_k_zero", lambda: fn(torch.randn(S, D), sid(), 0, T), ("top_k", ">= 1", "0")),
+        ("huge_top_k", lambda: fn(_randn(3, D), _ids(0, 2**62 + 1, 5), 2**62, T),
+         _equal(lambda: torch.stack([_randn(3, D)[[0, 2]].sum(0), _randn(3, D)[1],
+                                     torch.zeros(D), torch.zeros(D)]))),
         ("duplicate_assignment", lambda: fn(torch.randn(4, D), _ids(0, 3, 3, 1), K, T),
          ("sorted_ids", "at most once", "assignment 3 appears 2 times")),
         ("meta_grad_cpu_ids", lambda: fn(torch.randn(S, D, device="meta"), sid(), K, T),

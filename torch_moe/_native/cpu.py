@@ -84,14 +84,23 @@ def _check_index_range(op: str, name: str, index: torch.Tensor, high: int, allow
 def _check_unique_assignments(op: str, sorted_ids: torch.Tensor, num_assignments: int) -> None:
     """Each assignment t * k + j occurs at most once in ``sorted_ids`` (-1 padding any number of
     times): a duplicate would count a token twice in a sum that its backward cannot invert.
-    One bincount, with padding shifted into a bin of its own; ``sorted_ids`` is range-checked,
-    so the bins stop at its largest value, whatever ``num_assignments`` is."""
+
+    ``sorted_ids`` is range-checked. One bincount, with padding shifted into a bin of its own,
+    when its bins (up to the largest id) are few next to the slots, as they are for any routing
+    (ids below T * k); otherwise, for an absurd ``top_k``, a sort of the slots."""
     if sorted_ids.numel() == 0 or num_assignments == 0:
         return
-    counts = torch.bincount(sorted_ids + 1)
-    counts[0] = 0  # padding
-    most, bin_ = (int(v) for v in torch.max(counts, 0))
-    assignment = bin_ - 1
+    largest = int(sorted_ids.max())
+    if largest < 4 * sorted_ids.numel() + 1024:
+        counts = torch.bincount(sorted_ids + 1)
+        counts[0] = 0  # padding
+        most, bin_ = (int(v) for v in torch.max(counts, 0))
+        assignment = bin_ - 1
+    else:
+        ids = torch.sort(sorted_ids).values
+        ids, counts = torch.unique_consecutive(ids[ids >= 0], return_counts=True)
+        most, i = (int(v) for v in torch.max(counts, 0))
+        assignment = int(ids[i])
     torch._check(
         most <= 1,
         lambda: f"{op}: expected each assignment t * k + j at most once in sorted_ids, but "
@@ -292,11 +301,21 @@ def _combine(y: torch.Tensor, slot_TK: torch.Tensor, weight_TK, complete: bool, 
 
 
 def permute_backward(grad: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, num_tokens: int):
+    """grad_x[t] = sum of grad over the slots of t's assignments, accumulated in fp32 (fp64)
+    slot by slot: O(S) whatever top_k, and padded slots add nothing."""
     op = "torch_moe.permute_backward"
     _checks.check_permute_backward(grad, sorted_ids, top_k, num_tokens)
-    _check_index_range(op, "sorted_ids", sorted_ids, num_tokens * top_k, True)
-    slot, complete = _inverse_slots(op, sorted_ids, num_tokens * top_k)
-    return _combine(grad, slot.view(num_tokens, top_k), None, complete, grad.dtype)
+    rows, pad = _token_rows(op, sorted_ids, top_k, num_tokens)
+    acc = torch.zeros((num_tokens, grad.size(1)), dtype=accumulate_dtype(grad.dtype),
+                      device=grad.device)
+    for s in range(0, sorted_ids.size(0), _ROW_CHUNK):
+        e = min(s + _ROW_CHUNK, sorted_ids.size(0))
+        rows_grad = grad[s:e]
+        if pad is not None:
+            # a fresh chunk: the padded rows of grad (anything, NaN included) are not read
+            rows_grad = torch.where(pad[s:e].unsqueeze(1), 0, rows_grad)
+        _index_add_rows_(acc, rows[s:e], rows_grad)
+    return acc if acc.dtype == grad.dtype else acc.to(grad.dtype)
 
 
 def unpermute(y: torch.Tensor, sorted_ids: torch.Tensor, topk_weights: torch.Tensor):
