@@ -34,7 +34,7 @@ def token_sort(topk_ids: Tensor, num_experts: int, align: int = 1) -> tuple[Tens
 def permute(x: Tensor, sorted_ids: Tensor, top_k: int, *, out: Optional[Tensor] = None) -> Tensor:
     """Copies token rows into expert order: ``out[i] = x[sorted_ids[i] // top_k]``, ``[S, D]``.
 
-    Padded slots (``-1``) give zero rows. ``out=`` writes into an existing buffer, which avoids a
+    Padded slots (``-1``) give zero rows. An assignment appears at most once in ``sorted_ids``. ``out=`` writes into an existing buffer, which avoids a
     fresh (page-faulting) allocation for large token batches.
     """
     if out is not None:
@@ -85,7 +85,9 @@ def indexed_grouped_mm(
         out[scatter_index[i]] += v_i   (out: [num_out_rows, N], zero-initialised), or
         out[i] = v_i                   (out: [S, N], rows past offs[-1] zero)
 
-    An index of ``-1`` marks a padded slot: a zero input row, or an output that is dropped.
+    An index of ``-1`` marks a padded slot, which reads no row of ``input`` or ``weight``: a
+    gathered one gives an exact zero row (whatever the weights of its group hold), a scattered
+    one adds nothing.
     This is the fused form of ScatterMoE / fused_moe: an MoE layer never materialises the
     permuted copy of its tokens, and the backward builds each group's gathered rows once.
     """

@@ -57,7 +57,8 @@ lib.define("grouped_mm(Tensor self, Tensor mat2, Tensor offs) -> Tensor", tags=_
 
 # Index-aware grouped GEMM (2D x 3D), the fused form of ScatterMoE / fused_moe:
 #   row i of group g:  v_i = input[gather_index[i] or i] @ weight[g] (* scatter_weight[i])
-#   out[scatter_index[i] or i] (+)= v_i ; index -1 marks a padded slot (zero row / skipped).
+#   out[scatter_index[i] or i] (+)= v_i ; index -1 marks a padded slot, which reads no row of
+#   input or weight (an exact zero row / nothing added).
 lib.define(
     "indexed_grouped_mm(Tensor input, Tensor weight, Tensor offs, Tensor? gather_index=None, "
     "Tensor? scatter_index=None, Tensor? scatter_weight=None, SymInt num_out_rows=-1) -> Tensor",
