@@ -5,17 +5,23 @@ Eager runs these ops as tuned ATen compositions (``torch_moe._native``); under
 ``torch.compile`` Inductor does better with the ATen ops themselves, which it fuses with their
 neighbours: the router's softmax / top-k with ``token_sort``'s histogram, the expert activation
 with the MXFP8 quantizer of the next GEMM, the combine with the routing weights. Each
-decomposition computes exactly what the eager kernel computes; the eager kernels' value checks
-(expert ids in range) become on-device asserts, so a compiled graph never syncs with the host.
+decomposition computes exactly what the eager kernel computes, summing in the same dtype. The
+eager kernels' value checks (ids in range, each assignment in at most one slot) become
+on-device asserts, so a compiled graph never syncs with the host; their messages are eager's
+up to the values seen, which only a host read could print. Padded slots and dropped
+assignments read an appended zero row (a masked load), never a real row.
 
 A decomposition returns ``NotImplemented`` where it does not apply (e.g. per-group FP8 scales,
-whose offsets the eager kernel validates on the host); the op then stays an extern call.
+whose offsets the eager kernel validates on the host); the op then stays an extern call (the
+fallbacks in ``lowering.py``).
 """
 
 import torch
+import torch.nn.functional as F
 from torch._inductor.decomposition import register_decomposition
 
 from torch_moe import _checks
+from torch_moe._native._cpu_features import accumulate_dtype
 from torch_moe.quantization import _grouped_mm as QG
 from torch_moe.quantization import _quantize as Q
 
@@ -25,6 +31,12 @@ ops = torch.ops.torch_moe
 # ---------------------------------------------------------------------------------------------
 # Routing and permutation
 # ---------------------------------------------------------------------------------------------
+
+
+def _bound(n, what: str) -> str:
+    """``n`` as the message of an on-device assert shows it: the number when it is static (as
+    eager prints it), else what it stands for."""
+    return str(n) if isinstance(n, int) else what
 
 
 @register_decomposition(ops.token_sort.default)
@@ -50,33 +62,99 @@ def token_sort(topk_ids, num_experts, align=1):
     return sorted_ids.scatter(0, dest, order), ends.to(torch.int32), counts
 
 
-def _rows(sorted_ids, top_k):
-    valid = sorted_ids >= 0
-    return valid, torch.where(valid, sorted_ids, 0) // top_k
+def _checked_assignments(op, sorted_ids, num_assignments, unique):
+    """The assignment ids of the sorted slots, ``[S]``, with padding as ``n = num_assignments``.
+
+    Asserts on device what the eager kernels check on the host: values in [-1, n) and, with
+    ``unique``, each assignment in at most one slot. Index n is one past every real assignment:
+    gathers through it read an appended zero row, never a real row, so NaN or Inf in a real row
+    cannot leak into padding or a dropped assignment (0 * NaN would). Out-of-range values also
+    map to n, so no gather or scatter indexes out of bounds before the assert reports them.
+    """
+    n = num_assignments
+    in_range = (sorted_ids >= -1) & (sorted_ids < n)
+    torch._assert_async(
+        in_range.all(),
+        f"{op}: expected sorted_ids values in [-1, {_bound(n, 'num_tokens * top_k')}) "
+        "(-1 marks padding)",
+    )
+    ids = torch.where(in_range & (sorted_ids >= 0), sorted_ids, n)
+    if unique:
+        uses = ids.new_zeros(n + 1).scatter_add(0, ids, torch.ones_like(ids))[:n]
+        torch._assert_async(
+            (uses <= 1).all(),
+            f"{op}: expected each assignment t * k + j at most once in sorted_ids",
+        )
+    return ids
+
+
+def _slot_of_assignment(ids_S, num_assignments):
+    """Inverse of ``ids_S``: the slot of each assignment ``[n]``, S where it has none (dropped)."""
+    S = ids_S.size(0)
+    slot = torch.full((num_assignments + 1,), S, dtype=torch.int64, device=ids_S.device)
+    return slot.scatter(0, ids_S, torch.arange(S, device=ids_S.device))[:num_assignments]
+
+
+def _with_zero_row(t):
+    """``t [R, D]`` with a zero row R appended. Inductor lowers the pad to a masked load inside
+    the consuming gather, so no copy of ``t`` is made and index R reads nothing."""
+    return F.pad(t, (0, 0, 0, 1))
 
 
 @register_decomposition(ops.permute.default)
 def permute(x, sorted_ids, top_k):
     _checks.check_permute(x, sorted_ids, top_k)
-    valid, rows = _rows(sorted_ids, top_k)
-    return torch.where(valid[:, None], x[rows], 0)
+    ids = _checked_assignments("torch_moe.permute", sorted_ids, x.size(0) * top_k, unique=True)
+    # padding (id T * k) maps to row T, the appended zero row
+    return _with_zero_row(x)[torch.div(ids, top_k, rounding_mode="floor")]
+
+
+@register_decomposition(ops.permute_backward.default)
+def permute_backward(grad, sorted_ids, top_k, num_tokens):
+    # grad_x[t] = sum_j grad[slot of t * k + j], summed in the accumulation dtype like eager
+    _checks.check_permute_backward(grad, sorted_ids, top_k, num_tokens)
+    n = num_tokens * top_k
+    ids = _checked_assignments("torch_moe.permute_backward", sorted_ids, n, unique=True)
+    slot = _slot_of_assignment(ids, n)
+    rows = _with_zero_row(grad)[slot].view(num_tokens, top_k, grad.size(1))
+    return rows.to(accumulate_dtype(grad.dtype)).sum(1).to(grad.dtype)
 
 
 @register_decomposition(ops.unpermute.default)
 def unpermute(y, sorted_ids, topk_weights):
     _checks.check_unpermute(y, sorted_ids, topk_weights)
     T, k = topk_weights.shape
-    n = T * k
-    valid = sorted_ids >= 0
-    # slot of assignment t * k + j (S for assignments that have none: dropped by capacity)
-    S = sorted_ids.size(0)
-    slot = torch.full((n + 1,), S, dtype=torch.int64, device=y.device)
-    slot = slot.scatter(0, torch.where(valid, sorted_ids, n),
-                        torch.arange(S, device=y.device))[:n]
-    has = (slot < S).view(T, k, 1)
-    rows = y[slot.clamp(max=S - 1)].view(T, k, -1).float()
-    w = topk_weights.float().view(T, k, 1)
-    return torch.where(has, w * rows, 0).sum(1).to(y.dtype)
+    ids = _checked_assignments("torch_moe.unpermute", sorted_ids, T * k, unique=True)
+    slot = _slot_of_assignment(ids, T * k)
+    acc = accumulate_dtype(y.dtype)
+    rows = _with_zero_row(y)[slot].view(T, k, y.size(1)).to(acc)
+    # a dropped assignment's weight is ignored, not multiplied by zero (it may be Inf)
+    w = torch.where((slot < y.size(0)).view(T, k), topk_weights, 0).to(acc)
+    return (w.unsqueeze(-1) * rows).sum(1).to(y.dtype)
+
+
+@register_decomposition(ops.unpermute_backward.default)
+def unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask):
+    # grad_y[i] = w[a] * grad[a // k] for the assignment a of slot i (zero for padding);
+    # grad_w[t, j] = <grad[t], y[slot of t * k + j]> (zero for a dropped assignment).
+    # An output that output_mask does not request is an empty [0] tensor, as in eager.
+    _checks.check_unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask)
+    want_y, want_w = output_mask
+    T, k = topk_weights.shape
+    S, D = y.shape
+    ids = _checked_assignments("torch_moe.unpermute_backward", sorted_ids, T * k, unique=True)
+    acc = accumulate_dtype(y.dtype)
+    grad_y, grad_w = y.new_empty((0,)), topk_weights.new_empty((0,))
+    if want_y:
+        w_slot = F.pad(topk_weights.reshape(-1), (0, 1))[ids].to(acc).to(grad.dtype)
+        token = torch.div(ids, k, rounding_mode="floor")
+        grad_y = _with_zero_row(grad)[token] * w_slot.unsqueeze(1)
+    if want_w:
+        slot = _slot_of_assignment(ids, T * k)
+        y_rows = _with_zero_row(y)[slot].view(T, k, D).to(acc)
+        dot = (grad.to(acc).unsqueeze(1) * y_rows).sum(-1)
+        grad_w = torch.where((slot < S).view(T, k), dot, 0).to(topk_weights.dtype)
+    return grad_y, grad_w
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,5 +188,10 @@ def dequantize_fp8_rowwise(data, scale, dim=-1, offs=None, out_dtype=torch.float
 
 @register_decomposition(ops.quantized_grouped_mm.default)
 def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
-    # the forward body: the quantizers decompose further and fuse with the producer of input
-    return QG.quantized_grouped_mm(input, weight, offs, recipe, scale_mode, wgrad_high_precision)
+    # the forward body: the quantizers decompose further and fuse with the producer of input.
+    # The values of offs are checked by the scaled grouped GEMM (an extern call of the kernel):
+    # the eager body's host-side check cannot read traced values.
+    QG.check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
+    a, scale_a = QG.quantize(input, 1, recipe, scale_mode)
+    b, scale_b = QG.quantize(weight, 1, recipe, scale_mode)
+    return ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs, input.dtype)
