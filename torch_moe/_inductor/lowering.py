@@ -16,7 +16,7 @@ import itertools
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.ir import FixedLayout
-from torch._inductor.lowering import register_lowering
+from torch._inductor.lowering import make_fallback, register_lowering
 from torch._inductor.select_algorithm import (
     ExternKernelChoice,
     autotune_select_algorithm,
@@ -104,3 +104,14 @@ def tuned_indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_ind
     counters["torch_moe"]["indexed_grouped_mm_lowering"] += 1
     choices = [_indexed_externs[present].bind(nodes, layout, num_out_rows=num_out_rows)]
     return autotune_select_algorithm("torch_moe_indexed_grouped_mm", choices, nodes, layout)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops whose decomposition applies to some calls only
+# ---------------------------------------------------------------------------------------------
+
+# The FP8 rowwise quantizers decompose without per-group offsets only (decomposition.py); a call
+# with offsets (the wgrad GEMM's operands) stays in the graph and needs this extern fallback, which
+# Inductor does not create by itself for an op that also has a decomposition.
+for _op in (ops.quantize_fp8_rowwise.default, ops.dequantize_fp8_rowwise.default):
+    make_fallback(_op, warn=False, override_decomp=True)
