@@ -14,9 +14,10 @@ from torch._dynamo.utils import counters
 from torch._inductor.test_case import TestCase, run_tests
 from torch._inductor.utils import run_and_get_code, run_fw_bw_and_get_code
 from torch.testing import FileCheck
-from torch.testing._internal.common_utils import IS_CI
+from torch.testing._internal.common_utils import IS_CI, instantiate_parametrized_tests, parametrize
 
 import torch_moe  # noqa: F401
+from torch_moe import _refs
 from torch_moe.nn import MoE, MoEConfig
 from torch_moe.nn.functional import moe_ffn
 
@@ -36,6 +37,39 @@ def routing(T, E, k, skew, seed):
     elif skew == "unused_experts" and E > k:
         scores[:, torch.randperm(E, generator=g)[: E - k]] -= 2.0
     return scores.topk(k, dim=1).indices, torch.rand(T, k, generator=g)
+
+
+def slots(T, E, k, align, seed, drop_every=0):
+    """(sorted_ids [S], topk_weights [T, k]) of a random routing with groups padded to ``align``;
+    with ``drop_every`` every such assignment loses its slot (-1), as a capacity limit drops it."""
+    ids, wts = routing(T, E, k, "uniform", seed)
+    sorted_ids, _, _ = ops.token_sort(ids, E, align)
+    if drop_every:
+        sorted_ids = torch.where(sorted_ids % drop_every == drop_every - 1, -1, sorted_ids)
+    return sorted_ids, wts
+
+
+def eager_message_head(fn, *args) -> str:
+    """What eager's error says before the values it saw (", but got ...", ", but one appears
+    ..."): the part a compiled graph's on-device assert says too (it cannot print values
+    without a host sync)."""
+    try:
+        fn(*args)
+    except RuntimeError as e:
+        return str(e).split(", but ")[0]
+    raise AssertionError("eager accepted the input")
+
+
+def ffn_reference(x, sorted_ids, offs, topk_weights, w1, w2, w3):
+    """grouped_ffn from the reference permute / unpermute and one swiglu FFN per group."""
+    xs = _refs.permute(x, sorted_ids, topk_weights.size(1))
+    ys, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        xe = xs[start:end]
+        ys.append(_refs.activation("swiglu", xe @ w1[e], xe @ w3[e]) @ w2[e])
+        start = end
+    ys.append(xs.new_zeros((xs.size(0) - start, x.size(1))))
+    return _refs.unpermute(torch.cat(ys), sorted_ids, topk_weights)
 
 
 def cpp_kernels(code: str) -> int:
@@ -189,6 +223,210 @@ class TestCompileMoE(TestCase):
         yc.backward(grad)
         for a, b in zip([xc, *wc], [xe, *we]):
             self.assertEqual(a.grad, b.grad, **tol)
+
+
+class TestCompiledEqualsEagerOps(TestCase):
+    """permute / unpermute and their backward ops under torch.compile, against eager: values
+    for every token count (none included), dtype and group alignment, and the same errors."""
+
+    def setUp(self):
+        super().setUp()
+        torch._dynamo.reset()
+
+    # every pair of (token count, dtype), (token count, alignment), (alignment, dtype) once:
+    # nine compilations instead of eighteen
+    @parametrize("T,align,dtype", [
+        (0, 1, torch.float32), (0, 16, torch.float64), (0, 1, torch.bfloat16),
+        (1, 16, torch.float32), (1, 1, torch.float64), (1, 16, torch.bfloat16),
+        (5, 1, torch.float32), (5, 16, torch.float64), (5, 16, torch.bfloat16),
+    ], name_fn=lambda T, align, dtype: f"T_{T}_align_{align}_{str(dtype)[6:]}")
+    def test_permute_unpermute_values(self, T, align, dtype):
+        E, k, D = 4, 2, 8
+        sorted_ids, wts = slots(T, E, k, align, seed=T + align, drop_every=3)
+        wts = wts.to(dtype)
+        x = torch.randn(T, D, dtype=dtype)
+
+        def f(x, w):
+            # + 1 makes the padding rows non-zero: unpermute must not read them
+            return ops.unpermute(ops.permute(x, sorted_ids, k) * 2 + 1, sorted_ids, w)
+
+        xe, we = x.clone().requires_grad_(), wts.clone().requires_grad_()
+        xc, wc = x.clone().requires_grad_(), wts.clone().requires_grad_()
+        ye, yc = f(xe, we), torch.compile(f, fullgraph=True)(xc, wc)
+        tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+        self.assertEqual(yc, ye, atol=tol, rtol=tol)
+        g = torch.randn_like(ye)
+        ye.backward(g)
+        yc.backward(g)
+        self.assertEqual(xc.grad, xe.grad, atol=tol, rtol=tol)
+        self.assertEqual(wc.grad, we.grad, atol=tol, rtol=tol)
+
+    def test_unpermute_accumulates_fp64_in_fp64(self):
+        # eager sums fp64 in fp64; a round trip through fp32 loses ~1e-7 relative
+        sorted_ids, wts = slots(64, 8, 2, 1, seed=0)
+        y = torch.randn(sorted_ids.numel(), 32, dtype=torch.float64) * 1e3
+        wts = wts.double()
+        out, (code,) = run_and_get_code(torch.compile(ops.unpermute), y, sorted_ids, wts)
+        self.assertEqual(out, ops.unpermute(y, sorted_ids, wts), atol=1e-9, rtol=1e-12)
+        FileCheck().check_not("convert<float").run(code)
+
+    def test_no_tokens(self):
+        # T = 0 with align > 1: every slot is padding and there is no row to read
+        sorted_ids, wts = slots(0, 4, 2, 16, seed=0)
+        self.assertEqual(sorted_ids.numel(), 4 * 15)
+        x = torch.randn(0, 8, requires_grad=True)
+        w = wts.requires_grad_()
+        f = lambda x, w: ops.unpermute(ops.permute(x, sorted_ids, 2) + 1, sorted_ids, w)
+        out, (fw, bw) = run_fw_bw_and_get_code(lambda: torch.compile(f)(x, w).sum())
+        self.assertEqual(out, torch.zeros(()))
+        self.assertEqual(x.grad, torch.zeros(0, 8))
+        FileCheck().check_not("torch.ops.torch_moe").run(fw)
+        FileCheck().check_not("torch.ops.torch_moe").run(bw)
+
+    def test_padding_and_dropped_slots_read_no_real_row(self):
+        # NaN in token 0 and slot 0, Inf in padding rows; an assignment whose slot is dropped
+        # (-1) must get nothing, not 0 * row 0 (NaN). Reference: torch_moe._refs, autograd.
+        T, E, k, D = 6, 3, 2, 4
+        sorted_ids, wts = slots(T, E, k, 4, seed=0, drop_every=3)
+        pad = (sorted_ids < 0).nonzero().flatten()
+        x = torch.randn(T, D)
+        x[0] = float("nan")
+        y = torch.randn(sorted_ids.numel(), D)
+        y[0], y[pad] = float("nan"), float("inf")
+        grad_y = torch.randn(sorted_ids.numel(), D)
+        grad_y[0], grad_y[pad] = float("nan"), float("inf")
+        grad_out = torch.randn(T, D)
+        grad_out[0] = float("nan")
+        cases = [
+            (lambda x: ops.permute(x, sorted_ids, k), lambda x: _refs.permute(x, sorted_ids, k),
+             [x], grad_y),
+            (lambda y, w: ops.unpermute(y, sorted_ids, w),
+             lambda y, w: _refs.unpermute(y, sorted_ids, w), [y, wts], grad_out),
+        ]
+        for f, ref, inputs, grad in cases:
+            torch._dynamo.reset()
+            ins_c = [t.clone().requires_grad_() for t in inputs]
+            ins_r = [t.clone().requires_grad_() for t in inputs]
+            # (out * grad).sum() gives out the gradient grad
+            out, (fw, bw) = run_fw_bw_and_get_code(lambda: torch.compile(f)(*ins_c) * grad)
+            expected = ref(*ins_r)
+            (expected * grad).sum().backward()
+            self.assertEqual(out, expected * grad)
+            for c, r in zip(ins_c, ins_r):
+                self.assertEqual(c.grad, r.grad)
+            # decomposed, forward and backward: no eager kernel that multiplies row 0 by zero
+            FileCheck().check_not("torch.ops.torch_moe").run(fw)
+            FileCheck().check_not("torch.ops.torch_moe").run(bw)
+
+    def test_padding_and_dropped_slots_grouped_gemms(self):
+        # the grouped GEMMs stay extern calls of the torch_moe kernels; their -1 slots must not
+        # read or write a real row either (NaN in token 0, dropped assignments)
+        T, E, k, D, F_ = 6, 3, 2, 4, 6
+        ids, wts = routing(T, E, k, "uniform", 1)
+        sorted_ids, offs, _ = ops.token_sort(ids, E, 4)
+        sorted_ids = torch.where(sorted_ids % 3 == 2, -1, sorted_ids)
+        x = torch.randn(T, D)
+        x[0] = float("nan")
+        rows = torch.where(sorted_ids >= 0, sorted_ids // k, -1)
+        slot_w = torch.where(sorted_ids >= 0, wts.reshape(-1)[sorted_ids.clamp(min=0)], 0)
+        w = torch.randn(E, D, F_)
+        w1, w2, w3 = torch.randn(E, D, F_), torch.randn(E, F_, D), torch.randn(E, D, F_)
+        cases = [
+            (lambda x, w: ops.indexed_grouped_mm(x, w, offs, rows, rows, slot_w, T),
+             lambda x, w: _refs.indexed_grouped_mm(x, w, offs, rows, rows, slot_w, T), [x, w]),
+            (lambda x, w1, w2, w3, t: ops.grouped_ffn(x, sorted_ids, offs, t, w1, w2, w3)[0],
+             lambda x, w1, w2, w3, t: ffn_reference(x, sorted_ids, offs, t, w1, w2, w3),
+             [x, w1, w2, w3, wts]),
+        ]
+        for f, ref, inputs in cases:
+            torch._dynamo.reset()
+            ins_c = [t.clone().requires_grad_() for t in inputs]
+            ins_r = [t.clone().requires_grad_() for t in inputs]
+            out_c, out_r = torch.compile(f)(*ins_c), ref(*ins_r)
+            self.assertEqual(out_c, out_r, atol=1e-4, rtol=1e-4)
+            grad = torch.randn_like(out_r)
+            grad[0] = float("nan")
+            out_c.backward(grad)
+            out_r.backward(grad)
+            for c, r in zip(ins_c, ins_r):
+                self.assertEqual(c.grad, r.grad, atol=1e-4, rtol=1e-4)
+
+    def test_errors_equal_eager(self):
+        # one compiled graph per op; the bad sorted_ids have the shapes of the good ones, so
+        # every call below reuses it (no recompilation)
+        T, k, D = 6, 2, 4
+        good, wts = slots(T, 3, k, 4, seed=0)
+        x, y = torch.randn(T, D), torch.randn(good.numel(), D)
+        duplicate = good.clone()
+        duplicate[(good < 0).nonzero()[0]] = good[0]
+        too_large, below = good.clone(), good.clone()
+        too_large[1], below[1] = T * k, -2
+        unpermute = torch.compile(ops.unpermute, dynamic=False)
+        permute = torch.compile(lambda x, s: ops.permute(x, s, k), dynamic=False)
+        unpermute_backward = torch.compile(ops.unpermute_backward, dynamic=False)
+        for bad in (duplicate, too_large, below):
+            with self.assertRaisesRegex(RuntimeError, re.escape(
+                    eager_message_head(ops.unpermute, y, bad, wts))):
+                unpermute(y, bad, wts)
+        for bad in (too_large, below):
+            with self.assertRaisesRegex(RuntimeError, re.escape(
+                    eager_message_head(ops.permute, x, bad, k))):
+                permute(x, bad)
+            with self.assertRaisesRegex(RuntimeError, re.escape(
+                    eager_message_head(ops.unpermute_backward, x, y, bad, wts, [True, True]))):
+                unpermute_backward(x, y, bad, wts, [True, True])
+        with self.assertRaisesRegex(RuntimeError, re.escape(
+                eager_message_head(ops.permute_backward, y, duplicate, k, T))):
+            torch.compile(ops.permute_backward, dynamic=False)(y, duplicate, k, T)
+        with self.assertRaisesRegex(RuntimeError, re.escape(
+                eager_message_head(ops.permute, x, duplicate, k))):
+            permute(x, duplicate)
+
+    def test_token_sort_error_equals_eager(self):
+        # an out-of-range expert id is reported by the assert, not by a bounds check of the
+        # histogram's scatter or the padding's gather
+        ids = torch.tensor([[0, 1], [2, 3]])
+        f = torch.compile(lambda ids: ops.token_sort(ids, 3, 4), dynamic=False)
+        for bad in (ids, -ids - 1):
+            with self.assertRaisesRegex(RuntimeError, re.escape(
+                    eager_message_head(ops.token_sort, bad, 3, 4))):
+                f(bad)
+
+    @parametrize("precision", ["fp8_rowwise", "mxfp8"])
+    def test_moe_ffn_no_tokens(self, precision):
+        E, D, F_ = 4, 32, 32
+        x = torch.randn(0, D, requires_grad=True)
+        ids, wts = torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2, requires_grad=True)
+        ws = [torch.randn(E, D, F_, requires_grad=True), torch.randn(E, F_, D, requires_grad=True),
+              torch.randn(E, D, F_, requires_grad=True)]
+        f = lambda x, w, *ws: moe_ffn(x, ids, w, *ws, precision=precision)
+        out = torch.compile(f, fullgraph=True)(x, wts, *ws)
+        self.assertEqual(out, torch.zeros(0, D))
+        out.sum().backward()
+        for t in [x, wts, *ws]:
+            self.assertEqual(t.grad, torch.zeros_like(t))
+
+    def test_moe_ffn_fp8_rowwise_backward(self):
+        # the wgrad quantizers take per-group offsets, which their decomposition leaves to the
+        # extern kernel: the backward graph needs that fallback
+        T, E, D, F_ = 16, 4, 32, 32
+        ids, wts = routing(T, E, 2, "uniform", 4)
+        g = torch.Generator().manual_seed(4)
+        inputs = [torch.randn(T, D, generator=g), torch.randn(E, D, F_, generator=g) / 8,
+                  torch.randn(E, F_, D, generator=g) / 8, torch.randn(E, D, F_, generator=g) / 8]
+        f = lambda x, *ws: moe_ffn(x, ids, wts, *ws, precision="fp8_rowwise")
+        eager = [t.clone().requires_grad_() for t in inputs]
+        compiled = [t.clone().requires_grad_() for t in inputs]
+        ye, yc = f(*eager), torch.compile(f, fullgraph=True)(*compiled)
+        self.assertEqual(yc, ye, atol=1e-5, rtol=1e-4)
+        grad = torch.randn_like(ye)
+        ye.backward(grad)
+        yc.backward(grad)
+        for c, e in zip(compiled, eager):
+            self.assertEqual(c.grad, e.grad, atol=1e-4, rtol=1e-4)
+
+
+instantiate_parametrized_tests(TestCompiledEqualsEagerOps)
 
 
 if __name__ == "__main__":
