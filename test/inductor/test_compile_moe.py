@@ -426,6 +426,57 @@ class TestCompiledEqualsEagerOps(TestCase):
             self.assertEqual(c.grad, e.grad, atol=1e-4, rtol=1e-4)
 
 
+_COMPILE_UNPERMUTE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import torch_moe
+y = torch.arange(12, dtype=torch.float64).view(6, 2)
+f = torch.compile(lambda y, i, w: torch.ops.torch_moe.unpermute(y, i, w))
+print(f(y, torch.tensor([0, 2, 1, 3, 5, 4]), torch.ones(3, 2, dtype=torch.float64)).sum().item())
+"""
+
+
+class TestCompileCacheKey(TestCase):
+    def test_cache_key_tag_holds_the_source_hash(self):
+        import torch._inductor.lowering  # noqa: F401  (torch_moe registers when this loads)
+        from torch_moe._inductor import source_hash
+
+        self.assertIn(f"torch_moe:{source_hash()}", torch.compiler.config.cache_key_tag)
+
+    def test_changed_decomposition_misses_the_compile_caches(self):
+        # An upgraded torch_moe compiles the same user code again: the AOTAutograd cache keys the
+        # graph Dynamo captured, before the decompositions run, so without the source hash in the
+        # key the second process would load the first one's code and print its result.
+        import os
+        import shutil
+        import subprocess
+        import sys
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            package = os.path.join(tmp, "site")
+            shutil.copytree(os.path.dirname(torch_moe.__file__),
+                            os.path.join(package, "torch_moe"),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "cache"))
+
+            def compiled_sum():
+                out = subprocess.run([sys.executable, "-c", _COMPILE_UNPERMUTE, package], env=env,
+                                     capture_output=True, text=True, timeout=300)
+                self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+                return float(out.stdout.split()[-1])
+
+            self.assertEqual(compiled_sum(), 66.0)
+            path = os.path.join(package, "torch_moe", "_inductor", "decomposition.py")
+            with open(path) as f:
+                source = f.read()
+            old = "    return (w.unsqueeze(-1) * rows).sum(1).to(y.dtype)"
+            self.assertIn(old, source)  # the line this test edits is still there
+            with open(path, "w") as f:
+                f.write(source.replace(old, old.replace("(w.unsqueeze", "(2 * w.unsqueeze")))
+            self.assertEqual(compiled_sum(), 132.0)
+
+
 instantiate_parametrized_tests(TestCompiledEqualsEagerOps)
 
 
