@@ -343,6 +343,38 @@ class TestBadConfig(TestCase):
             _moe()(torch.randn(3, 5, dtype=torch.float64))
 
 
+class TestOutputIsNotAView(TestCase):
+    """``MoE`` returns a tensor of its own, never a view of another: ``fully_shard`` hooks a
+    module's output, and an in-place op on a view (``y += shared(x)``) rebases the view's
+    history and loses that hook; an identity autograd.Function's view may not be modified in
+    place at all."""
+
+    @parametrize("shape", [(6, 8), (2, 3, 8)])
+    @parametrize("shared", [0, 1])
+    @parametrize("aux", [False, True])
+    @parametrize("x_dtype", [torch.float64, torch.float32])
+    def test_in_place_op_on_output(self, shape, shared, aux, x_dtype):
+        moe = _moe(num_shared_experts=shared, load_balance_coeff=0.1 if aux else 0.0)
+        x = torch.randn(shape, dtype=x_dtype, requires_grad=True)
+        other = torch.randn(shape, dtype=x_dtype)
+
+        y = moe(x)
+        base = y._base
+        self.assertEqual((y.shape, y.dtype), (x.shape, x_dtype))
+        y += other
+        y.mul_(2)
+        y.sum().backward()
+        got = [x.grad] + [p.grad for p in moe.parameters()]
+
+        x.grad = None
+        moe.zero_grad()
+        y = moe(x)
+        (2 * (y + other)).sum().backward()
+        expected = [x.grad] + [p.grad for p in moe.parameters()]
+        self.assertEqual(got, expected, atol=0, rtol=0)
+        self.assertIsNone(base)
+
+
 class TestCompile(TestCase):
     def test_fullgraph_forward_backward(self):
         moe = _moe(dtype=torch.float32, load_balance_coeff=0.01, load_balance_bias=True,
@@ -360,6 +392,7 @@ class TestCompile(TestCase):
 
 
 instantiate_parametrized_tests(TestAuxLosses)
+instantiate_parametrized_tests(TestOutputIsNotAView)
 
 if __name__ == "__main__":
     run_tests()

@@ -275,7 +275,7 @@ class GroupedExperts(nn.Module):
             if topk_ids is None:
                 raise ValueError("GroupedExperts: these experts are parallelized and route tokens "
                                  "themselves: expected topk_ids, but got None")
-            return self._dispatch(x_TD, topk_ids, topk_weights)
+            return _own_tensor(self._dispatch(x_TD, topk_ids, topk_weights))
         C.check_tokens("GroupedExperts", "x", x_TD, self.config.dim)
         c = self.config
         if c.precision != "bf16":
@@ -363,6 +363,9 @@ class _AttachAuxLoss(torch.autograd.Function):
     This adds an auxiliary loss to the training objective without returning it: the loss's
     gradient flows whenever ``y``'s does, once per micro-batch, which is what gradient
     accumulation needs, and nothing escapes the graph, which is what ``torch.compile`` needs.
+    :class:`MoE` attaches it to the routing weights ``[T, k]``, which every expert output
+    depends on: the output returned to the caller is then the experts' own tensor, which may
+    be modified in place (the view an identity Function returns may not).
 
     The gradient cannot be derived from ``grad_y``: ``2 * y.sum()`` and ``y.sum()`` scaled by 2
     send ``y`` the same gradient, yet the aux loss of the second one must get twice the
@@ -398,6 +401,19 @@ def _check_loss_scale(scale) -> None:
     if scale.dim() != 0:
         raise ValueError(f"MoE: expected {name} to be a float or a 0-dim tensor, but got shape "
                          f"{tuple(scale.shape)}")
+
+
+def _own_tensor(y: Tensor) -> Tensor:
+    """``y``, or a copy of it if it is a view of another tensor.
+
+    A module's output must not be a view: ``fully_shard`` registers its pre-backward hook (the
+    all-gather of the parameters resharded after forward) on the output, and an in-place op of
+    the caller on a view (``y += shared(x)``) rebases the view's history and drops the hook,
+    so that the backward runs on freed parameters. The copy, ``y.numel()`` elements read and
+    written once in forward and nothing in backward, is made only where no op of the layer
+    produced the output in its final shape and dtype.
+    """
+    return y.clone() if y._base is not None else y
 
 
 class MoE(nn.Module):
@@ -476,29 +492,39 @@ class MoE(nn.Module):
             return moe_layer_forward(self, x)
         seq_len = x.size(1) if x.dim() == 3 else x.size(0)
         x_TD = x.reshape(-1, c.dim)
-        y, counts, dropped, aux_loss = self._routed(x_TD, seq_len)
+        y_TD, counts, dropped, aux_loss = self._routed(x_TD, seq_len, attach=not return_aux_loss)
         self.record_load(counts, dropped)
-        if not return_aux_loss:
-            y = self._attach_aux_loss(y, aux_loss)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x_TD)
-        y = y.to(x.dtype).view(x.shape)
+        y = self._output(y_TD, x_TD, x)
         if not return_aux_loss:
             return y
         return y, aux_loss if aux_loss is not None else x.new_zeros((), dtype=torch.float32)
+
+    def _output(self, routed_TD: Tensor, x_TD: Tensor, x: Tensor) -> Tensor:
+        """``routed [T, D] (+ shared experts of x [T, D])`` in the shape and dtype of ``x``, as
+        a tensor of its own (see :func:`_own_tensor`): the sum with the shared experts and a
+        dtype cast write it in its final shape; only the routed output alone of a ``[B, L, D]``
+        input, in the parameters' dtype, is copied out of ``[T, D]``."""
+        y = routed_TD if routed_TD.shape == x.shape else routed_TD.view(x.shape)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x_TD)
+            y = y + (shared if shared.shape == x.shape else shared.view(x.shape))
+        return _own_tensor(y.to(x.dtype))
 
     def routed_forward(self, x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """Router, token sort and routed experts on ``x [T, D]`` (no shared experts); attaches
         the auxiliary losses in training. Returns ``(y [T, D], tokens_per_expert [E] int64,
         num_dropped [] int64 or None)``; :meth:`record_load` adds the last two to the buffers."""
-        y, counts, dropped, aux_loss = self._routed(x_TD, seq_len)
-        return self._attach_aux_loss(y, aux_loss), counts, dropped
+        y, counts, dropped, _ = self._routed(x_TD, seq_len, attach=True)
+        return y, counts, dropped
 
-    def _routed(self, x_TD: Tensor, seq_len: int):
-        """:meth:`routed_forward` without attaching: also returns the weighted sum of the aux
-        losses (None in eval or without aux losses)."""
+    def _routed(self, x_TD: Tensor, seq_len: int, attach: bool):
+        """:meth:`routed_forward`, attaching the aux losses only with ``attach``; also returns
+        their weighted sum (None in eval or without aux losses)."""
         c = self.config
         topk_ids, topk_weights, scores, logits = self.router(x_TD)
+        aux_loss = self._aux_loss(scores, topk_ids, logits, seq_len) if self.training else None
+        if attach:
+            topk_weights = self._attach_aux_loss(topk_weights, aux_loss)
         capacity = self.capacity(x_TD.size(0))
         align = group_alignment(c.precision)
         if getattr(self.experts, "_dispatch", None) is not None:
@@ -521,7 +547,6 @@ class MoE(nn.Module):
                 sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
                     topk_ids, topk_weights, c.num_experts, capacity, align)
             y = self.experts(x_TD, sorted_ids, offs, topk_weights)
-        aux_loss = self._aux_loss(scores, topk_ids, logits, seq_len) if self.training else None
         return y, counts, dropped, aux_loss
 
     @torch.no_grad()
@@ -549,11 +574,12 @@ class MoE(nn.Module):
             return None
         return sum(coeff * loss for coeff, loss in losses.values())
 
-    def _attach_aux_loss(self, y: Tensor, aux_loss: Optional[Tensor]) -> Tensor:
+    def _attach_aux_loss(self, topk_weights: Tensor, aux_loss: Optional[Tensor]) -> Tensor:
+        """``topk_weights [T, k]`` with ``aux_loss`` attached (:class:`_AttachAuxLoss`)."""
         if aux_loss is None:
-            return y
+            return topk_weights
         _check_loss_scale(self.aux_loss_scale)
-        return _AttachAuxLoss.apply(y, aux_loss, self.aux_loss_scale)
+        return _AttachAuxLoss.apply(topk_weights, aux_loss, self.aux_loss_scale)
 
     @torch.no_grad()
     def update_expert_bias(self) -> Tensor:
