@@ -112,12 +112,14 @@ class TestFSDPOutputViews(DTensorOpTestBase):
 
     def test_expert_parallel_recipe(self):
         # the style module's recipe at (edp, ep) = 1 x 2: experts expert parallel over ep and
-        # fully_shard over edp, the block over edp x ep
+        # fully_shard over edp, the block over edp x ep; the attached aux loss reaches the
+        # router through the dispatcher's gradient of the routing weights
         for in_place in ("add_", "mul_"):
             for shared in (0, 1):
                 with self.subTest(in_place=in_place, shared=shared):
                     reset_dispatch_counters()
-                    model = _Block(in_place, num_shared_experts=shared)
+                    model = _Block(in_place, num_shared_experts=shared,
+                                   load_balance_coeff=0.1)
                     ref = copy.deepcopy(model)
                     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
                     parallelize_module(model.moe, mesh["ep"], ExpertParallel())
