@@ -14,6 +14,7 @@ Run: ``python -m pytest test/distributed/test_dispatch.py -q`` from the repo roo
 
 import copy
 import math
+import re
 import threading
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -343,6 +345,132 @@ class TestDispatch4Ranks(_Base):
             expert_parallel_moe_ffn(x, ids, w[:, :1], w1[:2], w2[:2], w3[:2], num_experts=8)
         with self.assertRaisesRegex(ValueError, "expected w2_local on cpu in torch.float32"):
             expert_parallel_moe_ffn(x, ids, w, w1[:2], w2[:2].double(), w3[:2], num_experts=8)
+
+
+# a rank left waiting in a collective fails the test after this many seconds instead of hanging it
+_ALL_ENDED_S = 5.0
+_FN = "expert_parallel_moe_ffn"
+
+
+class TestArgumentErrorsOnSomeRanks(_Base):
+    """Arguments that fail the local checks on some ranks only: the ranks that fail still take
+    part in the header exchange, so every rank raises the same exception type and none is left
+    waiting in a collective. A failing rank raises its own message, the others one that names
+    the failing ranks and carries their messages."""
+
+    @property
+    def world_size(self):
+        return 4
+
+    def setUp(self):
+        # shared by the rank threads, which run their own instances of the class
+        type(self)._all_ended = threading.Barrier(self.world_size, timeout=_ALL_ENDED_S)
+        super().setUp()
+
+    def _wait_for_every_rank(self):
+        try:
+            type(self)._all_ended.wait()
+        except threading.BrokenBarrierError:
+            ProcessLocalGroup.exception_handle(RuntimeError("a rank is still waiting"))
+            self.fail(f"a rank is still waiting in a collective after {_ALL_ENDED_S} s")
+
+    def _every_rank_raises(self, exc_type, own, fn):
+        """``fn()`` raises ``exc_type`` on every rank; ``own`` maps the failing ranks to a regex
+        of their own messages."""
+        rank = dist.get_rank()
+        try:
+            with self.assertRaises(exc_type) as ctx:
+                fn()
+        finally:
+            self._wait_for_every_rank()
+        message = str(ctx.exception)
+        if rank in own:
+            self.assertRegex(message, "^" + own[rank])
+            return
+        failing = sorted(own)
+        self.assertRegex(message, "^" + re.escape(
+                         f"expert_parallel_moe_ffn: ranks {failing} of the expert-parallel group "
+                         "passed invalid arguments; ")
+                         + "; ".join(f"rank {r}: {own[r].removeprefix(_FN + ': ')}"
+                                     for r in failing) + "$")
+
+    def _layer(self, T=4, k=2):
+        E, G, rank = 8, 2, dist.get_rank()
+        x, ids, w, w1, w2, w3 = _global_data(E, 4, 4, T, k, 4)
+        mine, experts = slice(rank * T, (rank + 1) * T), slice(rank * G, (rank + 1) * G)
+        return [x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts]]
+
+    def _call(self, bad_ranks=(2,), edit=None, **options):
+        """A call on every rank; ``edit(args, options)`` changes the arguments of ``bad_ranks``."""
+        args, kw = self._layer(), dict(num_experts=8, **options)
+        if dist.get_rank() in bad_ranks and edit is not None:
+            edit(args, kw)
+        return lambda: expert_parallel_moe_ffn(*args, **kw)
+
+    def test_one_rank_with_a_bad_shape_dtype_or_option(self):
+        def arg(i, f):
+            def edit(args, kw):
+                args[i] = f(args[i])
+            return edit
+
+        def option(**bad):
+            return lambda args, kw: kw.update(bad)
+
+        def both(*edits):
+            def edit(args, kw):
+                for e in edits:
+                    e(args, kw)
+            return edit
+
+        cases = [
+            (ValueError, r"expected x to be 2-D \[T, D\], but got shape \(4,\)",
+             arg(0, lambda x: x[:, 0]), {}),
+            (ValueError, r"expected a floating topk_weights, but got torch.int64",
+             arg(2, lambda w: w.long()), {"capacity_factor": 2.0}),
+            (ValueError, r"expected top-k = topk_ids.size\(1\) in \[1, num_experts = 8\], "
+             r"but got 12", both(*(arg(i, lambda t: t.repeat(1, 6)) for i in (1, 2))),
+             {"dedup": True}),
+            (ValueError, r"expected num_chunks to be an int in \[1, 16\], but got 0",
+             option(num_chunks=0), {}),
+            (ValueError, r"expected activation in .*, but got 'tanh'",
+             option(activation="tanh"), {"capacity_factor": 2.0, "num_chunks": 2}),
+            (TypeError, r"expected w2_local to be a Tensor, but got None",
+             arg(4, lambda w: None), {}),
+        ]
+        for exc_type, regex, edit, options in cases:
+            with self.subTest(regex):
+                # every case runs after the errors of the ones before: the group stays in step
+                self._every_rank_raises(exc_type, {2: "expert_parallel_moe_ffn: " + regex},
+                                        self._call(edit=edit, **options))
+        self._compare(E=8, D=4, F=4, T=4, k=2, num_chunks=2)
+
+    def test_ranks_failing_different_checks(self):
+        def edit(args, kw):
+            if dist.get_rank() == 1:
+                args[3] = None  # a TypeError
+            else:
+                args[0] = args[0][None]  # a ValueError
+        # every rank raises the type of the first failing rank
+        self._every_rank_raises(TypeError, {
+            1: r"expert_parallel_moe_ffn: expected w1_local to be a Tensor, but got None",
+            3: r"expert_parallel_moe_ffn: expected x to be 2-D \[T, D\], but got shape "
+               r"\(1, 4, 4\)",
+        }, self._call(bad_ranks=(1, 3), edit=edit))
+
+    def test_every_rank_failing_raises_its_own_message(self):
+        # the common single-process mistake, repeated on every rank: no one else to blame
+        rank = dist.get_rank()
+        self._every_rank_raises(ValueError, {r: "expert_parallel_moe_ffn: expected num_chunks "
+                                             rf"to be an int in \[1, 16\], but got {17 + r}$"
+                                             for r in range(4)},
+                                self._call(bad_ranks=range(4),
+                                           edit=lambda args, kw: kw.update(num_chunks=17 + rank)))
+
+    def test_group_of_the_wrong_type_raises_locally(self):
+        args = self._layer()
+        with self.assertRaisesRegex(TypeError, "expert_parallel_moe_ffn: expected group to be "
+                                    "a ProcessGroup or None, but got str"):
+            expert_parallel_moe_ffn(*args, num_experts=8, group="world")
 
 
 _in_kernel = threading.local()

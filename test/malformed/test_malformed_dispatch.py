@@ -4,8 +4,10 @@ the dispatch-plan functions (``torch_moe.distributed._dispatch_plan``).
 
 A dispatcher case runs its call on the ranks of a threaded process group (one thread per rank,
 real exchanges between them) and ends as rank 0 ended, after checking that every rank ended the
-same way: the same exception type and message on every rank, or every rank returned. A rank
-still waiting when the others are done fails the case (a rank left in a collective).
+same way: every rank returned, or every rank raised the same exception type with the same
+message, except where some ranks passed arguments that fail the local checks: those raise their
+own messages and the others one that names them and carries their messages. A rank still waiting
+when the others are done fails the case (a rank left in a collective).
 
 Run: ``python -m pytest test/malformed/test_malformed_dispatch.py -q -p no:cacheprovider``.
 """
@@ -82,7 +84,12 @@ def on_ranks(fn, world_size: int = R):
             t.join(_JOIN_S)
         waiting = [r for r, t in enumerate(threads) if t.is_alive()]
         if waiting:
+            # release the waiting ranks, then clear the termination flag they share with the
+            # cases that follow, so that those do not fail with this one
             ProcessLocalGroup.exception_handle(RuntimeError("a rank is still waiting"))
+            for t in threads:
+                t.join(_JOIN_S)
+            ProcessLocalGroup.reset()
             raise AssertionError(f"ranks {waiting} are still waiting in a collective; the "
                                  f"others ended with {ended}")
     finally:
@@ -90,11 +97,27 @@ def on_ranks(fn, world_size: int = R):
     kinds = {kind for kind, _ in ended}
     if kinds == {"returned"}:
         return [value for _, value in ended]
-    outcomes = {(kind, type(v).__name__, str(v)) if kind == "raised" else (kind,)
-                for kind, v in ended}
-    if len(outcomes) != 1:
+    if kinds != {"raised"} or len({type(e) for _, e in ended}) != 1:
         raise AssertionError(f"the ranks ended differently: {ended}")
+    _check_messages([str(e) for _, e in ended])
     raise ended[0][1]
+
+
+_FN = "expert_parallel_moe_ffn"
+_BLAME = _FN + ": ranks "
+
+
+def _check_messages(messages):
+    """The same message on every rank, or: the ranks that failed their local checks their own
+    messages, and every other rank the one that names them and carries those messages."""
+    if len(set(messages)) == 1:
+        return
+    failing = [r for r, m in enumerate(messages) if not m.startswith(_BLAME)]
+    blame = (f"{_BLAME}{failing} of the expert-parallel group passed invalid arguments; "
+             + "; ".join(f"rank {r}: {messages[r].removeprefix(_FN + ': ')}" for r in failing))
+    wrong = [r for r, m in enumerate(messages) if r not in failing and m != blame]
+    if not failing or wrong:
+        raise AssertionError(f"the ranks raised messages that do not match: {messages}")
 
 
 def _global(T=3, k=2, seed=0, num_experts=E, dim=D):
@@ -110,9 +133,9 @@ def _global(T=3, k=2, seed=0, num_experts=E, dim=D):
     return x, ids, w, w1, w2, w3
 
 
-def _ep(edit=None, T=3, k=2, num_experts=E, **options):
-    """A call on both ranks: rank r passes its slice of :func:`_global`; ``edit(rank, args,
-    options)`` may change its positional arguments (a list) and keywords first."""
+def _rank_call(edit=None, T=3, k=2, num_experts=E, **options):
+    """``run(rank)``: rank r passes its slice of :func:`_global`; ``edit(rank, args, options)``
+    may change its positional arguments (a list) and keywords first."""
     def run(rank):
         x, ids, w, w1, w2, w3 = _global(T, k, num_experts=num_experts)
         G = num_experts // R
@@ -122,6 +145,25 @@ def _ep(edit=None, T=3, k=2, num_experts=E, **options):
         if edit is not None:
             edit(rank, args, kw)
         return expert_parallel_moe_ffn(*args, **kw)
+
+    return run
+
+
+def _ep(edit=None, T=3, k=2, num_experts=E, **options):
+    """A call on both ranks (see :func:`_rank_call`)."""
+    return lambda: on_ranks(_rank_call(edit, T, k, num_experts, **options))
+
+
+def _ep_then_a_good_call(edit, **options):
+    """A call that ``edit`` spoils, then a good call on both ranks: the outputs of the latter."""
+    spoiled, good = _rank_call(edit, **options), _rank_call()
+
+    def run(rank):
+        try:
+            spoiled(rank)
+        except (ValueError, TypeError):
+            return good(rank)
+        raise AssertionError("the spoiled call returned")
 
     return lambda: on_ranks(run)
 
@@ -196,6 +238,7 @@ def _repeat_first_id(data):
 
 
 _SAME = "expected every rank of the expert-parallel group to pass the same "
+_BAD_ON_1 = "ranks [1] of the expert-parallel group passed invalid arguments; rank 1: "
 
 EP_CASES = [
     # shapes of the tokens and the routing
@@ -326,6 +369,106 @@ EP_CASES = [
         _kw(num_experts=8, ranks=(1,)), *(_set(i, lambda t: torch.cat([t, t]), ranks=(1,))
                                            for i in (3, 4, 5)))),
         ValueError, (_SAME + "num_experts", "4 on ranks [0]", "8 on ranks [1]")),
+    # arguments that fail the local checks on one rank only: that rank raises its own message,
+    # every other rank one that names it (no rank is left waiting in the header's collective)
+    Case(EP, "x_1d_on_one_rank", _ep(_set(0, lambda x: x[:, 0], ranks=(1,))), ValueError,
+         (_BAD_ON_1 + "expected x to be 2-D [T, D]", "but got shape (3,)")),
+    Case(EP, "x_1d_on_rank_0_only", _ep(_set(0, lambda x: x[:, 0], ranks=(0,))), ValueError,
+         (_FN + ": expected x to be 2-D [T, D], but got shape (3,)",)),
+    Case(EP, "x_list_on_one_rank", _ep(_set(0, lambda x: x.tolist(), ranks=(1,))), TypeError,
+         (_BAD_ON_1, "expected x to be a Tensor", "but got list")),
+    Case(EP, "x_int_on_one_rank", _ep(_set(0, lambda x: x.long(), ranks=(1,))), ValueError,
+         (_BAD_ON_1, "x.dtype", "torch.float32", "but got torch.int64")),
+    Case(EP, "x_complex_on_one_rank_capacity_mode",
+         _ep(_set(0, lambda x: x.to(torch.complex64), ranks=(1,)), capacity_factor=2.0),
+         ValueError, (_BAD_ON_1, "x.dtype", "but got torch.complex64")),
+    Case(EP, "x_on_meta_on_one_rank", _ep(_set(0, lambda x: x.to("meta"), ranks=(1,))),
+         ValueError, (_BAD_ON_1, "expected x on a device with data", "but got meta")),
+    Case(EP, "every_tensor_on_meta_on_one_rank", _ep(_both(*(
+        _set(i, lambda t: t.to("meta"), ranks=(1,)) for i in range(6)))),
+        ValueError, (_BAD_ON_1, "expected x on a device with data", "but got meta")),
+    Case(EP, "topk_ids_float_on_one_rank", _ep(_set(1, lambda t: t.float(), ranks=(1,))),
+         ValueError, (_BAD_ON_1, "integer topk_ids", "torch.float32")),
+    Case(EP, "topk_ids_bool_on_one_rank_capacity_mode",
+         _ep(_set(1, lambda t: t > 0, ranks=(1,)), capacity_factor=2.0),
+         ValueError, (_BAD_ON_1, "integer topk_ids", "torch.bool")),
+    Case(EP, "topk_weights_shape_on_one_rank", _ep(_set(2, lambda t: t[:, :1], ranks=(1,))),
+         ValueError, (_BAD_ON_1, "topk_ids and topk_weights of the same shape", "(3, 2)",
+                      "(3, 1)")),
+    Case(EP, "topk_weights_int_on_one_rank_dedup",
+         _ep(_set(2, lambda t: (t * 10).long(), ranks=(1,)), dedup=True),
+         ValueError, (_BAD_ON_1, "floating topk_weights", "torch.int64")),
+    Case(EP, "k_above_num_experts_on_one_rank", _ep(_both(
+        _set(1, lambda t: t.repeat(1, 3), ranks=(1,)), _set(2, lambda t: t.repeat(1, 3),
+                                                            ranks=(1,)))),
+        ValueError, (_BAD_ON_1, "top-k", "[1, num_experts = 4]", "but got 6")),
+    Case(EP, "topk_ids_on_meta_on_one_rank", _ep(_set(1, lambda t: t.to("meta"), ranks=(1,))),
+         ValueError, (_BAD_ON_1, "topk_ids", "device of x (cpu)", "meta")),
+    Case(EP, "w1_experts_on_one_rank", _ep(_set(3, lambda t: t[:1], ranks=(1,))), ValueError,
+         (_BAD_ON_1, "w1_local", "[2, 4, F]", "(1, 4, 4)")),
+    Case(EP, "w2_none_on_one_rank", _ep(_set(4, None, ranks=(1,))), TypeError,
+         (_BAD_ON_1, "w2_local", "Tensor", "None")),
+    Case(EP, "w2_other_dtype_on_one_rank_capacity_mode",
+         _ep(_set(4, lambda t: t.half(), ranks=(1,)), capacity_factor=2.0), ValueError,
+         (_BAD_ON_1, "w2_local", "torch.float32 like x", "torch.float16")),
+    Case(EP, "w3_with_non_gated_on_one_rank", _ep(_kw(activation="gelu", ranks=(1,))),
+         ValueError, (_BAD_ON_1, "w3_local=None", "'gelu'", "(2, 4, 4)")),
+    Case(EP, "num_experts_not_divisible_on_one_rank", _ep(_kw(num_experts=3, ranks=(1,))),
+         ValueError, (_BAD_ON_1, "num_experts", "divisible by the 2 ranks", "num_experts=3")),
+    Case(EP, "num_experts_zero_on_one_rank", _ep(_kw(num_experts=0, ranks=(1,))), ValueError,
+         (_BAD_ON_1, "num_experts", "positive int", "but got 0")),
+    Case(EP, "num_chunks_zero_on_one_rank", _ep(_kw(num_chunks=0, ranks=(1,))), ValueError,
+         (_BAD_ON_1, "num_chunks", "[1, 16]", "but got 0")),
+    Case(EP, "num_chunks_absurd_on_one_rank_capacity_mode",
+         _ep(_kw(num_chunks=10**9, ranks=(1,)), capacity_factor=2.0), ValueError,
+         (_BAD_ON_1, "num_chunks", "[1, 16]", "but got 1000000000")),
+    Case(EP, "capacity_factor_nan_on_one_rank",
+         _ep(_kw(capacity_factor=float("nan"), ranks=(1,)), capacity_factor=2.0), ValueError,
+         (_BAD_ON_1, "capacity_factor", "finite number > 0 or None", "but got nan")),
+    Case(EP, "capacity_factor_negative_on_one_rank", _ep(_kw(capacity_factor=-1.0, ranks=(1,))),
+         ValueError, (_BAD_ON_1, "capacity_factor", "> 0", "but got -1.0")),
+    Case(EP, "dedup_not_bool_on_one_rank", _ep(_kw(dedup=1, ranks=(1,))), ValueError,
+         (_BAD_ON_1, "dedup", "bool", "but got 1")),
+    Case(EP, "activation_unknown_on_one_rank_capacity_mode",
+         _ep(_kw(activation="tanh", ranks=(1,)), capacity_factor=2.0, num_chunks=2),
+         ValueError, (_BAD_ON_1, "activation", "swiglu", "'tanh'")),
+    Case(EP, "alpha_nan_on_one_rank", _ep(_kw(alpha=float("nan"), ranks=(1,))), ValueError,
+         (_BAD_ON_1, "alpha", "number", "but got nan")),
+    Case(EP, "limit_str_on_one_rank", _ep(_kw(limit="7", ranks=(1,))), ValueError,
+         (_BAD_ON_1, "limit", "number", "but got '7'")),
+    # several ranks fail: each raises its own message, all with the type of the lowest one
+    Case(EP, "every_rank_a_different_bad_num_chunks", _ep(_kw(num_chunks=lambda r: 17 + r)),
+         ValueError, (_FN + ": expected num_chunks to be an int in [1, 16], but got 17",)),
+    Case(EP, "ranks_failing_different_checks", _ep(_both(
+        _set(4, None, ranks=(0,)), _set(0, lambda x: x[:, 0], ranks=(1,)))),
+        TypeError, (_FN + ": expected w2_local to be a Tensor, but got None",)),
+    Case(EP, "ranks_failing_different_checks_value_error_first", _ep(_both(
+        _set(0, lambda x: x[:, 0], ranks=(0,)), _set(4, None, ranks=(1,)))),
+        ValueError, (_FN + ": expected x to be 2-D [T, D], but got shape (3,)",)),
+    # a bad argument on one rank is reported before bad ids on another
+    Case(EP, "bad_ids_on_one_rank_bad_shape_on_the_other", _ep(_both(
+        _set(1, lambda t: t.fill_(E), ranks=(0,)), _set(2, lambda t: t[:, :1], ranks=(1,)))),
+        ValueError, (_BAD_ON_1, "topk_ids and topk_weights of the same shape", "(3, 1)")),
+    Case(EP, "bad_option_on_one_rank_then_the_group_stays_in_step",
+         _ep_then_a_good_call(_kw(num_chunks=0, ranks=(1,)), capacity_factor=2.0),
+         check=_matches_moe_ffn()),
+    Case(EP, "bad_shape_on_one_rank_then_the_group_stays_in_step",
+         _ep_then_a_good_call(_set(0, lambda x: x[None], ranks=(0,))),
+         check=_matches_moe_ffn()),
+    # numbers too large for a float
+    Case(EP, "capacity_factor_huge_int", _ep(capacity_factor=10**400), ValueError,
+         ("capacity_factor", "finite number > 0 or None", "but got 1000000")),
+    Case(EP, "alpha_huge_int", _ep(alpha=10**400), ValueError,
+         ("alpha", "number", "but got 1000000")),
+    # errors raised where they happen, without a collective: no group to exchange in
+    Case(EP, "every_tensor_on_meta", _ep(_both(*(_set(i, lambda t: t.to("meta"))
+                                                 for i in range(6)))),
+         ValueError, ("expected x on a device with data", "but got meta")),
+    Case(EP, "group_not_a_process_group", _ep(_kw(group="world")), TypeError,
+         ("group", "ProcessGroup or None", "but got str")),
+    Case(EP, "no_process_group", lambda: expert_parallel_moe_ffn(
+        *_global()[:3], *(t[:2] for t in _global()[3:]), num_experts=E), ValueError,
+        ("group=None", "default process group", "init_process_group")),
     # NaN / Inf: they stay in the tokens they belong to
     Case(EP, "nan_in_x", _ep_global(_nan_at(0)), check=_matches_moe_ffn(edit_global=_nan_at(0))),
     Case(EP, "nan_in_topk_weights_capacity_mode", _ep_global(_nan_at(2), capacity_factor=4.0),

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_to_all", "all_to_all_differentiable", "assert_on_device", "wait"]
+__all__ = ["all_to_all", "all_to_all_differentiable", "assert_on_device", "default_device",
+           "wait"]
 
 
 def _funcol():
@@ -56,3 +57,12 @@ def assert_on_device(condition: Tensor, message: str) -> None:
     a ``RuntimeError`` at once on CPU, a device-side assertion on CUDA (``torch._assert_async``,
     which also traces into a graph)."""
     torch._assert_async(condition, message)
+
+
+def default_device(group: dist.ProcessGroup) -> torch.device:
+    """The device whose tensors ``group`` exchanges without a tensor to take it from: its one
+    backend's device, or the CPU when it has several and one of them is the CPU's (as
+    ``all_gather_object`` chooses). A CUDA device is the current one."""
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    return torch.device(_get_object_coll_device(group))

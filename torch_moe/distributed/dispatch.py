@@ -25,13 +25,14 @@ One call of :func:`expert_parallel_moe_ffn`:
 1. orders every chunk's assignments by (destination, token) and numbers the rows;
 2. exchanges a fixed-size header with every rank in one ``all_to_all_single`` before any
    data-sized collective: the layer signature (``num_experts``, ``D``, dtype, ``num_chunks``,
-   ``capacity_factor``, ``dedup``, ``W``, activation, ``alpha``, ``limit``), one column per
-   chunk (row counts per destination; in capacity mode the sender's capacity) and two flags
-   (expert ids out of range; ids repeated within a token, which would overflow a deduplicated
-   row). Its width does not depend on any argument, so ranks that disagree still pair up in
-   it, and every rank receives every rank's signature: when they differ, every rank raises the
-   same ``ValueError`` naming the argument, its values and their ranks, and no rank is left
-   in a later collective. This is **one host synchronisation per call**;
+   ``capacity_factor``, ``dedup``, ``W``, activation, ``alpha``, ``limit``), the sender's
+   argument error (see below), one column per chunk (row counts per destination; in capacity
+   mode the sender's capacity) and two flags (expert ids out of range; ids repeated within a
+   token, which would overflow a deduplicated row). Its width does not depend on any argument,
+   so ranks that disagree still pair up in it, and every rank receives every rank's signature:
+   when they differ, every rank raises the same ``ValueError`` naming the argument, its values
+   and their ranks, and no rank is left in a later collective. This is **one host
+   synchronisation per call**;
 3. sends the rows (differentiable), the local expert ids and the routing weights
    (differentiable) of every chunk with functional all-to-alls, which run in the background;
 4. for each chunk in turn, waits for its rows, runs the local experts and starts sending the
@@ -76,11 +77,24 @@ them with :func:`reset_dispatch_counters`:
 * ``last_expert_load``: ``[G]``, the assignments each local expert computed in the latest
   call (replaced, not accumulated: layers may differ in ``G``); its sum is the rank's load.
 
+Argument errors. A rank whose arguments fail the local checks (the types, shapes, dtypes and
+devices of its tensors, ``num_experts``, the options) still takes part in the header exchange,
+with a header of the same width that carries no signature but the error's type and the length
+of its message. Every rank then raises the type of the lowest failing rank (``ValueError`` or
+``TypeError``): a failing rank with its own message, every other rank with one that names the
+failing ranks and carries their messages (at most 1000 characters each), which one more
+all-to-all brings them on this error path only. When every rank fails, each raises its own
+message, as a single process would. Raised on the calling rank alone, before any collective,
+are the errors of the group itself: ``group=None`` without a default process group, a ``group``
+that is not a ``ProcessGroup``, a process that is not a member of ``group``. The header of a
+failing rank is on the device of its ``x``, or on the group's default device
+(``all_gather_object``'s) when ``x`` is not a tensor or is on ``meta``: a device that the backend
+cannot send from (a CPU ``x`` with NCCL) fails in the backend on that rank alone.
+
 Every rank of the group must call the function (and run backward) the same number of times,
-also with ``T = 0``. A rank that fails or leaves, or raises on its own arguments before the
-header (a local check: shapes, dtypes, devices of its tensors), makes the others' collectives
-fail after the process group's timeout (``init_process_group(..., timeout=...)``) instead of
-hanging.
+also with ``T = 0``. A rank that fails or leaves, or raises locally (above), makes the others'
+collectives fail after the process group's timeout (``init_process_group(..., timeout=...)``)
+instead of hanging.
 
 Not implemented: quantised payloads, precisions other than the ``moe_ffn`` default (the local
 experts run ``grouped_ffn`` in the dtype of the weights), and DTensor inputs (plain local
@@ -94,7 +108,7 @@ import numbers
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,6 +119,7 @@ from torch_moe.distributed._collectives import (
     all_to_all,
     all_to_all_differentiable,
     assert_on_device,
+    default_device,
     wait,
 )
 
@@ -233,8 +248,16 @@ _SIGNATURE = (
     ("limit", lambda L: _float_code(L.limit), _float_of),
 )
 _S = len(_SIGNATURE)
-# a header row: the signature, one column per chunk, then the flags of the ids
-_OUT_OF_RANGE, _REPEATED = _S + _MAX_CHUNKS, _S + _MAX_CHUNKS + 1
+# A header row: the signature; the sender's argument error (the code of its type in
+# _ERROR_TYPES, 0 when its arguments passed the local checks, and the length of its message in
+# bytes); one column per chunk; then the flags of the ids.
+_ERROR_TYPE, _ERROR_BYTES = _S, _S + 1
+_CHUNK = _S + 2
+_OUT_OF_RANGE, _REPEATED = _CHUNK + _MAX_CHUNKS, _CHUNK + _MAX_CHUNKS + 1
+_WIDTH = _REPEATED + 1
+_ERROR_TYPES = (None, ValueError, TypeError)
+# the other ranks receive at most this many characters of a failing rank's message
+_MAX_MESSAGE = 1000
 
 
 def _check_signatures(signatures: list[list[int]]) -> None:
@@ -270,17 +293,20 @@ class _Splits:
 
 
 def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]:
-    """The first collective of a call: one all-to-all of an int64 header ``[R, S + 16 + 2]``
+    """The first collective of a call: one all-to-all of an int64 header ``[R, S + 2 + 16 + 2]``
     per rank, whose width depends on no argument, then one device-to-host copy.
 
-    A header row holds the layer signature, one column per chunk (the rows for that destination
-    in exact mode, this rank's capacity ``C`` in capacity mode) and the flags of the expert ids
-    (out of range, repeated). Every rank receives every rank's signature, so every rank takes
-    the same decision: the same error, or the splits of every chunk. Exact mode copies the whole
-    header to the host and raises a ``ValueError`` naming the ranks with bad ids. Capacity mode
-    copies only the signature and the capacities (no value that depends on the tokens) and
-    asserts on the flags on the device (an asynchronous assertion: a ``RuntimeError`` on every
-    rank on CPU, a device-side assertion on CUDA)."""
+    A header row holds the layer signature, the argument error of the sender (none here: this
+    rank's arguments passed the local checks; see :func:`_raise_with_the_group`), one column per
+    chunk (the rows for that destination in exact mode, this rank's capacity ``C`` in capacity
+    mode) and the flags of the expert ids (out of range, repeated). Every rank receives every
+    rank's header, so every rank takes the same decision: the same error, or the splits of every
+    chunk. Ranks that failed their local checks come first (:func:`_argument_error`), then
+    signatures that differ. Exact mode copies the whole header to the host and raises a
+    ``ValueError`` naming the ranks with bad ids. Capacity mode copies all but the flags of the
+    ids (no value that depends on the tokens) and asserts on the flags on the device (an
+    asynchronous assertion: a ``RuntimeError`` on every rank on CPU, a device-side assertion on
+    CUDA)."""
     R, n = layer.R, layer.num_chunks
     device = bad.device
     if layer.capacity_factor is None:
@@ -288,10 +314,11 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
     else:
         caps = [layer.capacity(e - s) for s, e in layer.spans]
         columns = torch.tensor(caps, dtype=torch.int64, device=device).expand(R, n)
-    signature = torch.tensor([code(layer) for _, code, _ in _SIGNATURE], dtype=torch.int64,
-                             device=device)
+    # the signature, then no argument error: type code 0, message of 0 bytes
+    signature = torch.tensor([code(layer) for _, code, _ in _SIGNATURE] + [0, 0],
+                             dtype=torch.int64, device=device)
     send = torch.cat([
-        signature.expand(R, _S),
+        signature.expand(R, _CHUNK),
         columns,
         columns.new_zeros(R, _MAX_CHUNKS - n),
         bad.long().view(1, 2).expand(R, 2),
@@ -300,15 +327,18 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
     out_of_range, repeated = _id_errors(layer.num_experts, layer.W)
     if layer.capacity_factor is None:
         sent, received = torch.stack([send, recv]).tolist()  # the host synchronisation
+        _raise_argument_errors(received, layer.group, device)
         _check_signatures([row[:_S] for row in received])
         for flag, message in ((_OUT_OF_RANGE, out_of_range), (_REPEATED, repeated)):
             ranks = [src for src, row in enumerate(received) if row[flag]]
             if ranks:
                 raise ValueError(f"{message}, but ranks {ranks} of the expert-parallel group "
                                  "passed ids that are not")
-        return [_Splits([row[_S + c] for row in sent], [row[_S + c] for row in received], None)
+        return [_Splits([row[_CHUNK + c] for row in sent], [row[_CHUNK + c] for row in received],
+                        None)
                 for c in range(n)]
     received = recv[:, :_OUT_OF_RANGE].tolist()  # the one host read: shapes and arguments
+    _raise_argument_errors(received, layer.group, device)
     _check_signatures([row[:_S] for row in received])
     assert_on_device(recv[:, _OUT_OF_RANGE].eq(0).all(),
                      f"{out_of_range}, but a rank of the expert-parallel group passed an id "
@@ -316,8 +346,81 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
     assert_on_device(recv[:, _REPEATED].eq(0).all(),
                      f"{repeated}, but a rank of the expert-parallel group repeated an id "
                      "within a token")
-    return [_Splits([caps[c]] * R, [row[_S + c] for row in received], caps[c])
+    return [_Splits([caps[c]] * R, [row[_CHUNK + c] for row in received], caps[c])
             for c in range(n)]
+
+
+def _raise_argument_errors(received: list[list[int]], group, device) -> None:
+    """Raises on a rank whose arguments passed the local checks when the header rows
+    ``received`` say that other ranks' did not."""
+    error = _argument_error([row[_ERROR_TYPE:_CHUNK] for row in received], None, group, device)
+    if error is not None:
+        raise error
+
+
+def _raise_with_the_group(error: Exception, group, device) -> NoReturn:
+    """The header exchange of a rank whose arguments failed the local checks (``error``): it
+    takes part with a header of the same width, without a signature, that flags the error, so
+    that no rank is left waiting for it; then it raises with the others (see
+    :func:`_argument_error`)."""
+    R = dist.get_world_size(group)
+    send = torch.zeros(R, _WIDTH, dtype=torch.int64, device=device)
+    send[:, _ERROR_TYPE] = _ERROR_TYPES.index(TypeError if isinstance(error, TypeError)
+                                              else ValueError)
+    send[:, _ERROR_BYTES] = len(_carried(error))
+    recv = wait(all_to_all(send, None, None, group))
+    raise _argument_error(recv[:, _ERROR_TYPE:_CHUNK].tolist(), error, group, device)
+
+
+def _carried(error: Exception) -> bytes:
+    """The bytes of ``error``'s message that the other ranks receive."""
+    message = str(error)
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + " ..."
+    return message.encode()
+
+
+def _argument_error(errors: list[list[int]], own: Optional[Exception], group,
+                    device) -> Optional[Exception]:
+    """The exception to raise when some ranks' arguments failed their local checks, else None.
+
+    ``errors[src]`` is the (type code, message bytes) pair of rank ``src``'s header; ``own`` is
+    this rank's error, None when its arguments passed. Every rank raises the type of the lowest
+    failing rank: a failing rank with its own message, the others with one that names the
+    failing ranks and carries their messages, which one more exchange brings them (on this path
+    only, and only when some rank passed: every rank knows from the header whether it comes)."""
+    failing = [src for src, (code, _) in enumerate(errors) if code]
+    if not failing:
+        return None
+    exc_type = _ERROR_TYPES[errors[failing[0]][0]]
+    messages = None
+    if len(failing) < len(errors):
+        messages = _exchange_messages(own, [n for _, n in errors], group, device)
+    if own is not None:
+        if type(own) is exc_type:
+            return own
+        error = exc_type(str(own))
+        error.__cause__ = own
+        return error
+    # "rank 1: expected x to be 2-D ...": the name of the function comes once, in front
+    reasons = [f"rank {src}: {messages[src].removeprefix(_FN + ': ')}" for src in failing]
+    return exc_type(f"{_FN}: ranks {failing} of the expert-parallel group passed invalid "
+                    f"arguments; {'; '.join(reasons)}")
+
+
+def _exchange_messages(own: Optional[Exception], lengths: list[int], group,
+                       device) -> list[str]:
+    """Every rank's carried error message (empty for a rank without an error), from every rank,
+    whose lengths in bytes the header told every rank: one all-to-all of equal splits, every
+    message zero-padded to the longest, in int64 words."""
+    R, words = len(lengths), -(-max(lengths) // 8)
+    mine = _carried(own) if own is not None else b""
+    payload = torch.frombuffer(bytearray((mine + bytes(8 * words - len(mine))) * R),
+                               dtype=torch.int64).to(device)
+    received = wait(all_to_all(payload, None, None, group))
+    data = bytes(received.cpu().view(torch.uint8).tolist())
+    return [data[8 * words * src:8 * words * src + n].decode(errors="replace")
+            for src, n in enumerate(lengths)]
 
 
 @dataclass
@@ -484,6 +587,35 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def _as_float(v) -> Optional[float]:
+    """``float(v)`` for a real number other than a bool that a float can hold, else None."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond the range of a double
+        return None
+
+
+def _resolve_group(group) -> tuple[dist.ProcessGroup, int]:
+    """The expert-parallel group and its size. Its errors are raised locally: without a group
+    there is no one to tell."""
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError(f"{_FN}: expected a process group, or group=None with an "
+                             "initialized default process group (init_process_group), but got "
+                             "group=None and no default process group")
+        group = dist.group.WORLD
+    elif not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{_FN}: expected group to be a ProcessGroup or None, but got "
+                        f"{type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{_FN}: expected this process to be a member of group, but got a "
+                         f"group of the global ranks {dist.get_process_group_ranks(group)} "
+                         f"without {dist.get_rank()}")
+    return group, dist.get_world_size(group)
+
+
 def _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks):
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, Tensor):
@@ -492,6 +624,9 @@ def _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks):
         raise ValueError(f"{_FN}: expected x to be 2-D [T, D], but got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"{_FN}: expected x.dtype in {list(_DTYPES)}, but got {x.dtype}")
+    if x.device.type == "meta":
+        raise ValueError(f"{_FN}: expected x on a device with data (its rows are sent to other "
+                         "ranks), but got meta")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
         raise ValueError(
             f"{_FN}: expected topk_ids and topk_weights of the same shape [T, k], but got "
@@ -557,14 +692,38 @@ def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
     if not _is_int(num_chunks) or not 1 <= num_chunks <= _MAX_CHUNKS:
         raise ValueError(f"{_FN}: expected num_chunks to be an int in [1, {_MAX_CHUNKS}], but "
                          f"got {num_chunks!r}")
+    factor = _as_float(capacity_factor)
     if capacity_factor is not None and not (
-            isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-            and math.isfinite(capacity_factor) and capacity_factor > 0):
+            factor is not None and math.isfinite(factor) and factor > 0):
         raise ValueError(f"{_FN}: expected capacity_factor to be a finite number > 0 or None, "
                          f"but got {capacity_factor!r}")
     for name, v in (("alpha", alpha), ("limit", limit)):
-        if not isinstance(v, numbers.Real) or isinstance(v, bool) or math.isnan(v):
-            raise ValueError(f"{_FN}: expected {name} to be a number, but got {v!r}")
+        value = _as_float(v)
+        if value is None or math.isnan(value):
+            raise ValueError(f"{_FN}: expected {name} to be a number (not NaN, within the range "
+                             f"of a float), but got {v!r}")
+
+
+def _local_check_error(x, topk_ids, topk_weights, w1, w2, w3, *, num_experts, num_ranks,
+                       activation, alpha, limit, dedup, num_chunks,
+                       capacity_factor) -> Optional[Exception]:
+    """The error of the first local check (shapes, dtypes, devices, options) that this rank's
+    arguments fail, or None. It is raised with the group (:func:`_raise_with_the_group`)."""
+    try:
+        _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks)
+        _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
+        _check_experts(w1, w2, w3, x, num_experts // num_ranks, activation)
+    except (TypeError, ValueError) as e:
+        return e
+    return None
+
+
+def _header_device(x, group: dist.ProcessGroup) -> torch.device:
+    """The device of the header of a rank whose arguments failed: that of ``x`` as on the other
+    ranks, or the group's default device when ``x`` is not a tensor with data."""
+    if isinstance(x, Tensor) and x.device.type != "meta":
+        return x.device
+    return default_device(group)
 
 
 def expert_parallel_moe_ffn(
@@ -606,16 +765,21 @@ def expert_parallel_moe_ffn(
 
     Every argument but the tokens and their routing (``T`` may differ) must agree on every
     rank; the ranks compare their signatures first and all raise the same ``ValueError``
-    when they do not.
+    when they do not. Arguments that fail the local checks on some ranks make every rank raise
+    (see the module's "Argument errors"); only the errors of ``group`` itself are raised on the
+    calling rank alone.
 
     Returns:
         ``[T, D]`` in the dtype of ``x``: ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
         (dropped assignments excluded in capacity mode).
     """
-    R = dist.get_world_size(group)
-    _check_tensors(x, topk_ids, topk_weights, num_experts, R)
-    _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
-    _check_experts(w1_local, w2_local, w3_local, x, num_experts // R, activation)
+    group, R = _resolve_group(group)
+    error = _local_check_error(x, topk_ids, topk_weights, w1_local, w2_local, w3_local,
+                               num_experts=num_experts, num_ranks=R, activation=activation,
+                               alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
+                               capacity_factor=capacity_factor)
+    if error is not None:
+        _raise_with_the_group(error, group, _header_device(x, group))
     layer = _Layer.of(x, topk_ids, num_experts=num_experts, group=group, activation=activation,
                       alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
                       capacity_factor=capacity_factor)
