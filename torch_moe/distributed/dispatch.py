@@ -566,7 +566,10 @@ def _dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer: _Layer, plann
         # an empty chunk still has its padding rows in capacity mode: they add zeros to a
         # spare row, so that the returned rows stay in the graph of every rank's backward
         y = torch.zeros(max(e - s, 1), layer.D, dtype=torch.float32, device=device)
-        ys.append(y.index_add(0, ch.token_N, back.float())[:e - s])
+        y = y.index_add(0, ch.token_N, back.float())
+        # slice only the spare row away: the result is then a tensor of its own, not a view,
+        # which a module wrapped by fully_shard must return
+        ys.append(y if e > s else y[:0])
     y = torch.cat(ys) if len(ys) > 1 else ys[0]
     return y.to(x.dtype), stats
 
