@@ -678,12 +678,10 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
         # dA and dX, which a NaN or Inf in their group's weights would otherwise fill.
         pad_b = pad[bs:be] if pad is not None else None
         G = _gather_rows(grad_c, r, pad_b, bufs.get("g", n, D, cdt))
-        if pad_b is not None:
-            h = _zero_rows_(bufs.get("h", n, H, cdt).copy_(hidden[bs:be]), pad_b)
-        else:
-            h = _gemm_operand(hidden[bs:be], cdt)
-        act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit) \
-            if want_act else None
+        # hidden is read as it is; what is computed from its padded rows (act, dH) is zeroed
+        h = _gemm_operand(hidden[bs:be], cdt)
+        act = _zero_rows_(activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha,
+                                             limit), pad_b) if want_act else None
         if want_dA:
             # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
             dA = bufs.get("da", n, F, cdt)
@@ -699,8 +697,8 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
                 _mm_into(grad_w2[g], act[s - bs : e - bs].t(), G[s - bs : e - bs], cdt,
                          bufs.get("dw2", F, D, cdt))
         if want_dH:
-            dH = activation_backward(activation, dA.mul_(w), h, bufs.get("dh", n, H, cdt), alpha,
-                                     limit)
+            dH = _zero_rows_(activation_backward(activation, dA.mul_(w), h,
+                                                 bufs.get("dh", n, H, cdt), alpha, limit), pad_b)
             _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs,
                              grad_w1, grad_w3, grad_x)
     if want_topk:
