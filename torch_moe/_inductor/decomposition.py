@@ -190,8 +190,5 @@ def dequantize_fp8_rowwise(data, scale, dim=-1, offs=None, out_dtype=torch.float
 def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
     # the forward body: the quantizers decompose further and fuse with the producer of input.
     # The values of offs are checked by the scaled grouped GEMM (an extern call of the kernel):
-    # the eager body's host-side check cannot read traced values.
-    QG.check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
-    a, scale_a = QG.quantize(input, 1, recipe, scale_mode)
-    b, scale_b = QG.quantize(weight, 1, recipe, scale_mode)
-    return ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs, input.dtype)
+    # the eager op's host-side check cannot read traced values.
+    return QG.quantized_grouped_mm_forward(input, weight, offs, recipe, scale_mode)

@@ -58,13 +58,21 @@ def quantize(t, dim, recipe, scale_mode, offs=None):
     return ops.quantize_fp8_rowwise(t, dim, offs)
 
 
-def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
+def quantized_grouped_mm_forward(input, weight, offs, recipe, scale_mode="rceil"):
+    """The forward body: metadata checks, the two quantizers and the scaled grouped GEMM, which
+    checks the values of offs. Traceable: the Inductor decomposition is this function."""
     check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
-    # the GEMMs check offs too, but an error should name this op, the one the caller called
-    C.check_group_offsets(_OP, offs, input.size(0), C.GROUP_ALIGNMENT[recipe])
     a, scale_a = quantize(input, 1, recipe, scale_mode)
     b, scale_b = quantize(weight, 1, recipe, scale_mode)
     return ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs, input.dtype)
+
+
+def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
+    check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
+    # the GEMM checks offs too, but an eager error should name this op, the one the caller
+    # called (a host read of offs, which a traced graph cannot make)
+    C.check_group_offsets(_OP, offs, input.size(0), C.GROUP_ALIGNMENT[recipe])
+    return quantized_grouped_mm_forward(input, weight, offs, recipe, scale_mode)
 
 
 def quantized_grouped_mm_meta(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):
