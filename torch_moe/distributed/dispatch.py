@@ -567,8 +567,9 @@ def _dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer: _Layer, plann
         # spare row, so that the returned rows stay in the graph of every rank's backward
         y = torch.zeros(max(e - s, 1), layer.D, dtype=torch.float32, device=device)
         y = y.index_add(0, ch.token_N, back.float())
-        # slice only the spare row away: the result is then a tensor of its own, not a view,
-        # which a module wrapped by fully_shard must return
+        # a non-empty chunk's sum is used whole, so the result is a tensor of its own (a module
+        # wrapped by fully_shard must not return a view); only an empty chunk slices its spare
+        # row away
         ys.append(y if e > s else y[:0])
     y = torch.cat(ys) if len(ys) > 1 else ys[0]
     return y.to(x.dtype), stats
