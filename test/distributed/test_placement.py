@@ -183,8 +183,9 @@ class TestPlacement(TestCase):
         p = naive_placement()
         for bad in (-1, E):
             ids = torch.tensor([[0, bad], [3, 4]])
-            with self.assertRaisesRegex(ValueError, rf"expected topk_ids in \[0, {E}\), but got "
-                                        rf"ids in \[{min(bad, 0)}, {max(bad, 4)}\]"):
+            with self.assertRaisesRegex(ValueError,
+                                        rf"expected topk_ids values in \[0, {E}\), but got "
+                                        rf"values in \[{min(bad, 0)}, {max(bad, 4)}\]"):
                 route_to_replicas(ids, p)
 
     def test_route_rejects_ids_out_of_range_compiled(self):
@@ -193,7 +194,7 @@ class TestPlacement(TestCase):
         route = torch.compile(route_to_replicas, backend="aot_eager", fullgraph=True)
         ids = torch.tensor([[0, 5], [3, 4]])
         self.assertEqual(route(ids, p), route_to_replicas(ids, p))
-        with self.assertRaisesRegex(RuntimeError, rf"expected topk_ids in \[0, {E}\)"):
+        with self.assertRaisesRegex(RuntimeError, rf"expected topk_ids values in \[0, {E}\)"):
             route(torch.tensor([[0, -1], [3, 4]]), p)
 
     def test_plan_absurd_sizes_fail_fast(self):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torch_moe.nn._checks import check_expert_ids
+
 __all__ = ["Placement", "plan_placement", "route_to_replicas", "rebalance_",
            "rebalance_distributed_", "zipf_load"]
 
@@ -356,19 +358,10 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
 
 
 def _check_logical_ids(fn: str, flat: Tensor, num_logical: int) -> None:
-    """Expert ids ``flat [N]`` int64 must lie in ``[0, E)``: a negative id would index the
-    tables from the end and send tokens to the last experts' slots."""
-    if flat.numel() == 0 or flat.device.type == "meta":
-        return
-    bad = (flat < 0) | (flat >= num_logical)
-    # reading the values costs no synchronisation on the CPU; a compiled graph keeps the assert
-    if flat.device.type == "cpu" and not torch.compiler.is_compiling():
-        if bad.any():
-            raise ValueError(f"{fn}: expected topk_ids in [0, {num_logical}), but got ids in "
-                             f"[{flat.min().item()}, {flat.max().item()}]")
-    else:
-        torch._assert_async(~bad.any(), f"{fn}: expected topk_ids in [0, {num_logical}), but "
-                            "got an id outside it")
+    """Expert ids ``flat [N]`` must lie in ``[0, E)``: a negative id would index the tables from
+    the end and send tokens to the last experts' slots. (Meta tensors hold no values.)"""
+    if flat.device.type != "meta":
+        check_expert_ids(fn, flat, num_logical)
 
 
 def _check_same_experts(fn: str, old: "Placement", new: "Placement") -> None:
