@@ -114,15 +114,7 @@ class Placement:
         fn = "Placement.from_phys_to_logical"
         num_ranks = _positive_int(fn, "num_ranks", num_ranks)
         num_logical = _positive_int(fn, "num_logical", num_logical)
-        if not isinstance(phys_to_logical, Tensor):
-            raise ValueError(f"{fn}: expected phys_to_logical to be a 1-D tensor [P], but got "
-                             f"{type(phys_to_logical).__name__}")
-        if phys_to_logical.dim() != 1:
-            raise ValueError(f"{fn}: expected phys_to_logical to be a 1-D tensor [P], but got "
-                             f"shape {tuple(phys_to_logical.shape)}")
-        if phys_to_logical.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{fn}: expected phys_to_logical to be int32 or int64, but got "
-                             f"{phys_to_logical.dtype}")
+        _check_index_tensor(fn, "phys_to_logical", phys_to_logical, "a 1-D tensor [P]", 1)
         _check_has_data(fn, "phys_to_logical", phys_to_logical)
         num_phys = phys_to_logical.numel()
         if num_phys % num_ranks != 0:
@@ -331,15 +323,7 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
         ``[T, k]`` physical slot ids, in ``[0, R * S)``, of the same dtype and device.
     """
     fn = "route_to_replicas"
-    if not isinstance(topk_ids, Tensor):
-        raise ValueError(f"{fn}: expected topk_ids to be a 2-D tensor [T, k], but got "
-                         f"{type(topk_ids).__name__}")
-    if topk_ids.dim() != 2:
-        raise ValueError(f"{fn}: expected topk_ids to be a 2-D tensor [T, k], but got shape "
-                         f"{tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{fn}: expected topk_ids to be int32 or int64, but got "
-                         f"{topk_ids.dtype}")
+    _check_index_tensor(fn, "topk_ids", topk_ids, "a 2-D tensor [T, k]", 2)
     _check_placement_arg(fn, "placement", placement)
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -355,6 +339,16 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
     replica = occurrence % num_replicas[flat]
     phys = logical_to_phys[flat, replica]
     return phys.view(topk_ids.shape).to(topk_ids.dtype)
+
+
+def _check_index_tensor(fn: str, name: str, t, what: str, dim: int) -> None:
+    """``t`` is an int32 / int64 tensor of ``dim`` dimensions (``what`` describes it)."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{fn}: expected {name} to be {what}, but got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"{fn}: expected {name} to be {what}, but got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: expected {name} to be int32 or int64, but got {t.dtype}")
 
 
 def _check_logical_ids(fn: str, flat: Tensor, num_logical: int) -> None:
