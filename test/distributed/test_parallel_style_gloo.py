@@ -27,6 +27,7 @@ or ``python test/distributed/test_parallel_style_gloo.py``.
 
 import copy
 import functools
+import gc
 import unittest
 
 import torch.distributed as dist
@@ -64,6 +65,13 @@ class _GlooBase(DTensorTestBase):
     @property
     def backend(self) -> str:
         return "gloo"
+
+    def destroy_pg(self, device_id=None) -> None:
+        # Free the autograd graphs' reference cycles (they hold tensors of the functional
+        # collectives) while the interpreter is whole: freed at exit from gloo's threads they
+        # abort the process now and then ("terminate called without an active exception").
+        gc.collect()
+        super().destroy_pg(device_id)
 
     @property
     def device_type(self) -> str:
