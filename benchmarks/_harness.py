@@ -224,3 +224,18 @@ def write_csv(path: str | os.PathLike, rows: Sequence[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()`` after freeing the autograd graphs' reference cycles.
+
+    The cycles hold tensors of the functional collectives; freed at exit instead, from gloo's
+    worker threads, they abort the process now and then ("terminate called without an active
+    exception", seen in about one EP run in four on torch 2.13). The barrier keeps a rank from
+    tearing the group down while another still exchanges.
+    """
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -35,7 +35,6 @@ layer benchmark is skipped.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import sys
 import time
@@ -47,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn, Tensor
 
 from torch_moe.nn import MoE, MoEConfig
+
+from _harness import destroy_process_group
 
 
 # --------------------------------------------------------------------------
@@ -364,14 +365,7 @@ def main_expert_parallel(args) -> int:
             print(f"\ndemo done in {time.perf_counter() - start:.0f} s")
         return 0 if loss_fell else 1
     finally:
-        # Free the autograd graphs' reference cycles, which hold tensors of the functional
-        # collectives, while the interpreter is whole: freed at exit instead, from gloo's worker
-        # threads, they abort the process ("terminate called without an active exception")
-        # in about one run in four on torch 2.13. The barrier keeps a rank from tearing down
-        # the group while another still exchanges.
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 # --------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import environment_header, format_table, write_csv  # noqa: E402
+from _harness import destroy_process_group, environment_header, format_table, write_csv  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torch_moe.distributed._dispatch_plan import (  # noqa: E402
@@ -132,7 +132,7 @@ def _overlap_rank(rank: int, port: int, reps: int, out_path: str) -> None:
         import json
 
         Path(out_path).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def overlap_main(reps: int, csv_path: str) -> None:

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import SavedBytes, environment_header, format_table, write_csv  # noqa: E402
+from _harness import SavedBytes, destroy_process_group, environment_header, format_table, write_csv  # noqa: E402
 
 from torch_moe.distributed._tools import calibrate, comm_cost, gemm_cost  # noqa: E402
 from torch_moe.distributed._tools.cost_model import (  # noqa: E402
@@ -309,7 +309,7 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
                 dispatch_row_us=profile.dispatch_row_s * 1e6))
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def run_dispatch(cases: list, quick: bool) -> list[dict]:
