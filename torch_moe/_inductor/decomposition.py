@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch._inductor.decomposition import register_decomposition
 
 from torch_moe import _checks
+from torch_moe._compat import assert_async
 from torch_moe._native._cpu_features import accumulate_dtype
 from torch_moe.quantization import _grouped_mm as QG
 from torch_moe.quantization import _quantize as Q
@@ -44,7 +45,7 @@ def token_sort(topk_ids, num_experts, align=1):
     _checks.check_token_sort(topk_ids, num_experts, align)
     ids = topk_ids.reshape(-1).long()
     n = ids.numel()
-    torch._assert_async(
+    assert_async(
         ((ids >= 0) & (ids < num_experts)).all(),
         f"torch_moe.token_sort: expected topk_ids values in [0, {num_experts})",
     )
@@ -73,7 +74,7 @@ def _checked_assignments(op, sorted_ids, num_assignments, unique):
     """
     n = num_assignments
     in_range = (sorted_ids >= -1) & (sorted_ids < n)
-    torch._assert_async(
+    assert_async(
         in_range.all(),
         f"{op}: expected sorted_ids values in [-1, {_bound(n, 'num_tokens * top_k')}) "
         "(-1 marks padding)",
@@ -81,7 +82,7 @@ def _checked_assignments(op, sorted_ids, num_assignments, unique):
     ids = torch.where(in_range & (sorted_ids >= 0), sorted_ids, n)
     if unique:
         uses = ids.new_zeros(n + 1).scatter_add(0, ids, torch.ones_like(ids))[:n]
-        torch._assert_async(
+        assert_async(
             (uses <= 1).all(),
             f"{op}: expected each assignment t * k + j at most once in sorted_ids",
         )

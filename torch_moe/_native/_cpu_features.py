@@ -1,4 +1,4 @@
-"""Adapter for the private CPU feature probes of torch (``torch.ops.mkldnn._is_mkldnn_*``).
+"""Which dtypes the CPU kernels compute their GEMMs in.
 
 The CPU kernels run GEMMs in the input dtype only where the CPU has native instructions for it.
 Without AVX512-BF16 / AMX (e.g. an AVX2-only CPU), ``torch.mm`` on bf16 or fp16 falls to a
@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from torch_moe._compat import mkldnn_native_gemm_dtypes
+
 __all__ = ["gemm_compute_dtype"]
 
 
@@ -19,13 +21,7 @@ def _native_reduced_precision_gemm() -> frozenset:
     forced = os.environ.get("TORCH_MOE_CPU_NATIVE_LOW_PRECISION_GEMM")
     if forced is not None:
         return frozenset((torch.bfloat16, torch.float16)) if forced == "1" else frozenset()
-    native = set()
-    if torch.backends.mkldnn.is_available():
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            native.add(torch.bfloat16)
-        if torch.ops.mkldnn._is_mkldnn_fp16_supported():
-            native.add(torch.float16)
-    return frozenset(native)
+    return mkldnn_native_gemm_dtypes()
 
 
 def gemm_compute_dtype(dtype: torch.dtype) -> torch.dtype:

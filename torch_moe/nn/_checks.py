@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 # MAX_EXPERTS and MAX_SLOTS are re-exported for the nn entry points
+from torch_moe._compat import assert_async
 from torch_moe._checks import FLOAT_DTYPES, INDEX_DTYPES, MAX_EXPERTS, MAX_SLOTS  # noqa: F401
 # the most elements a tensor may hold so that its size in bytes (8 per element at most) fits
 # in int64, as every storage size does
@@ -105,5 +106,5 @@ def check_expert_ids(fn: str, topk_ids: Tensor, num_experts: int) -> None:
             raise ValueError(f"{fn}: expected topk_ids values in [0, {num_experts}), but got values "
                              f"in [{lo}, {hi}]")
         return
-    torch._assert_async(((topk_ids >= 0) & (topk_ids < num_experts)).all(),
+    assert_async(((topk_ids >= 0) & (topk_ids < num_experts)).all(),
                         f"{fn}: expected topk_ids values in [0, {num_experts})")

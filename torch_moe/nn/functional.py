@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
+from torch_moe._compat import assert_async
 from torch_moe.nn import _checks as C
 from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
 from torch_moe.quantization._checks import QUANTIZABLE_DTYPES
@@ -180,12 +181,12 @@ def route(
     _check_route(logits, top_k, score_func, topk_before_score, expert_bias, num_groups,
                  topk_groups, scale)
     if check_finite:
-        torch._assert_async(
+        assert_async(
             torch.isfinite(logits).all(),
             "route: expected finite logits, but the router logits contain NaN or Inf",
         )
         if expert_bias is not None:
-            torch._assert_async(
+            assert_async(
                 torch.isfinite(expert_bias).all(),
                 "route: expected expert_bias to be finite, but it contains NaN or Inf",
             )

@@ -8,6 +8,7 @@ device kernels only: they raise on CPU and assert on device elsewhere, with no h
 import torch
 
 from torch_moe import _checks
+from torch_moe._compat import assert_async
 from torch_moe.quantization._formats import BLOCK_SIZE, ELEM_DTYPES, SCALE_MODES
 
 # bf16 and fp16 are exact in fp32, so quantizing them never rounds twice; fp64 would.
@@ -115,7 +116,7 @@ def check_group_offsets(op: str, offs: torch.Tensor, limit: int, multiple: int =
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     if offs.device.type != "cpu":
         ok = (sizes >= 0).all() & (offs[-1] <= limit) & (sizes % multiple == 0).all()
-        torch._assert_async(
+        assert_async(
             ok, f"{op}: offs must be non-decreasing group ends <= {limit}, each group a "
             f"multiple of {multiple}"
         )
@@ -151,7 +152,7 @@ def check_rowwise_scale_values(op: str, name: str, scale: torch.Tensor) -> None:
     Inf, which the GEMM must turn into NaN). An Inf or non-positive scale is a caller bug."""
     bad = torch.isinf(scale) | (scale <= 0)
     if scale.device.type != "cpu":
-        torch._assert_async(~bad.any(), f"{op}: {name} must be positive and finite (or NaN)")
+        assert_async(~bad.any(), f"{op}: {name} must be positive and finite (or NaN)")
         return
     idx = torch.nonzero(bad)
     if idx.numel():
