@@ -8,7 +8,8 @@ Sections (``--sections``, all by default):
 * ``ffn``   -- ``moe_ffn`` forward (under ``no_grad``) and forward + backward against a
   HuggingFace-Mixtral-style loop over experts, ``torch._grouped_mm`` used the way
   torchtitan 0.3.0 uses it, torchtitan's own modules when ``import torchtitan`` works, and
-  the obvious composition of docs/cpu-performance-notes.md. The ceiling is a dense GEMM of
+  the obvious composition (argsort, ``index_select``, two ``torch._grouped_mm``, ``scatter_add``:
+  what a user writes first). The ceiling is a dense GEMM of
   the same FLOPs at the best dense GEMM rate available for the dtype, measured in the run.
 * ``saved`` -- bytes each implementation saves for backward, from
   ``torch.autograd.graph.saved_tensors_hooks``.
@@ -260,7 +261,8 @@ def obvious_forward(
     x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor,
     w1_EDF: Tensor, w2_EFD: Tensor, w3_EDF: Tensor,
 ) -> Tensor:
-    """The obvious composition of cpu-performance-notes.md, the bar torch_moe must beat."""
+    """The composition a user writes first (stable argsort + bincount, ``index_select`` of the
+    tokens, two grouped GEMMs, ``scatter_add`` of the weighted rows): the bar torch_moe must beat."""
     k, E = topk_ids_TK.size(1), w1_EDF.size(0)
     ids_S = topk_ids_TK.flatten()
     order_S = torch.argsort(ids_S, stable=True)
