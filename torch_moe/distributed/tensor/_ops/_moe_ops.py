@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _ShardingPlaceholder,
-    register_single_dim_strategy,
-)
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_moe._checks import GATED_ACTIVATIONS
+from torch_moe.distributed.tensor._compat import (
+    register_single_dim_strategy,
+    RuntimeSchemaInfo,
+    ShardingPlaceholder,
+    StridedShard,
+)
 
 ops = torch.ops.torch_moe
 
@@ -48,8 +48,8 @@ def _schema(first_non_tensor: int, *kwargs: str) -> RuntimeSchemaInfo:
     return RuntimeSchemaInfo(static_argnum=first_non_tensor, static_kwargkey=list(kwargs))
 
 
-def S(dim: int) -> _ShardingPlaceholder:
-    return _ShardingPlaceholder(dim)
+def S(dim: int) -> ShardingPlaceholder:
+    return ShardingPlaceholder(dim)
 
 
 def _present(*tensors) -> list:
@@ -182,14 +182,14 @@ def indexed_grouped_mm_backward_strategy(op, args, kwargs):
 
 
 # The expert-TP rules use concrete Shard placements, not placeholders: a placeholder takes the
-# type of the runtime inputs, so a _StridedShard w13 would turn w2's placeholder into a
-# _StridedShard too, and the F slices of w2 would no longer match those of w13 and hidden.
+# type of the runtime inputs, so a StridedShard w13 would turn w2's placeholder into a
+# StridedShard too, and the F slices of w2 would no longer match those of w13 and hidden.
 
 
 def _hidden_f_shard(gated: bool):
     # hidden [S, 2F] is cat(gate, up) along dim 1: with F sharded, a rank holds
-    # cat(gate_r, up_r), the right-to-left layout of _StridedShard(1, split_factor=2).
-    return _StridedShard(1, split_factor=2) if gated else Shard(1)
+    # cat(gate_r, up_r), the right-to-left layout of StridedShard(1, split_factor=2).
+    return StridedShard(1, split_factor=2) if gated else Shard(1)
 
 
 def _ffn_weight_f_shards(activation: str, has_w3: bool):
@@ -197,7 +197,7 @@ def _ffn_weight_f_shards(activation: str, has_w3: bool):
     gated = activation in GATED_ACTIVATIONS
     if gated and not has_w3:
         # fused w13 [E, D, 2F] = cat(gate, up): a rank needs cat(gate_r, up_r)
-        w1 = _StridedShard(2, split_factor=2)
+        w1 = StridedShard(2, split_factor=2)
     else:
         w1 = Shard(2)
     return [w1, Shard(1)] + ([Shard(2)] if has_w3 else [])

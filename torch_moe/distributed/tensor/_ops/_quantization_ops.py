@@ -4,7 +4,7 @@ A quantizer is elementwise except along its reduced dim: MXFP8 reduces blocks of
 ``dim``, FP8 rowwise the whole of ``dim`` (or each group of it). So any other dim shards freely,
 with the scale sharded like its data. ``dim`` itself shards only for MXFP8, and only where every
 shard boundary falls on a block boundary, which depends on the mesh: these strategies are
-``register_op_strategy`` rules with an ``is_valid_strategy_cb`` that checks it.
+``register_op_strategy`` rules with a strategy filter that checks it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ import math
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
+from torch_moe.distributed.tensor._compat import (
+    expand_to_full_mesh_op_strategy,
+    OpSchema,
+    OpStrategy,
+    register_op_strategy,
+    RuntimeSchemaInfo,
+)
 from torch_moe.quantization._formats import BLOCK_SIZE
 
 ops = torch.ops.torch_moe
@@ -34,7 +39,7 @@ def _wrap(dim: int, ndim: int) -> int:
 
 
 def _blocks_whole(block_dims: dict[int, int | tuple[int, ...]]):
-    """``is_valid_strategy_cb``: every input in ``block_dims`` (input index -> tensor dim or
+    """A strategy filter: every input in ``block_dims`` (input index -> tensor dim or
     dims) that is sharded along such a dim must have shards of whole MX blocks."""
 
     def valid(input_specs, output_specs) -> bool:
@@ -54,14 +59,14 @@ def _blocks_whole(block_dims: dict[int, int | tuple[int, ...]]):
     return valid
 
 
-def _expand(op_schema: OpSchema, rules, n_outputs: int, cb=None) -> OpStrategy:
+def _expand(op_schema: OpSchema, rules, n_outputs: int, strategy_filter=None) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
     all_r = [R] * (n_outputs + sum(isinstance(a, OpStrategy) for a in op_schema.args_schema))
     rules = [all_r] + rules
     # args that are not tensors (dim, dtypes, strings) take no placement
     rules = [r + [None] * (n_outputs + len(op_schema.args_schema) - len(r)) for r in rules]
     return expand_to_full_mesh_op_strategy(
-        mesh, op_schema, rules, input_index=n_outputs, is_valid_strategy_cb=cb
+        mesh, op_schema, rules, input_index=n_outputs, strategy_filter=strategy_filter
     )
 
 
@@ -155,12 +160,12 @@ def scaled_grouped_mm_strategy(op_schema: OpSchema) -> OpStrategy:
         # sharded with it in whole blocks, rowwise scales (whole-K) replicated
         k_scales = [Shard(1), Shard(1)] if mx else [R, R]
         rules = [[Shard(1), R, Shard(2), R, Shard(2), R], [P, Shard(1), Shard(1), *k_scales, R]]
-        cb = _blocks_whole({0: 1, 1: 1}) if mx else None
+        strategy_filter = _blocks_whole({0: 1, 1: 1}) if mx else None
     else:
         # [G, K, N] <- a [K, M], b [M, N]: K and N free, their scales with them
         rules = [[Shard(1), Shard(0), R, Shard(0), R, R], [Shard(2), R, Shard(1), R, Shard(1), R]]
-        cb = None
-    return _expand(op_schema, rules, 1, cb)
+        strategy_filter = None
+    return _expand(op_schema, rules, 1, strategy_filter)
 
 
 @register_op_strategy(ops.quantized_grouped_mm.default, schema_info=_schema(3, "recipe", "scale_mode", "wgrad_high_precision"))
@@ -170,9 +175,9 @@ def quantized_grouped_mm_strategy(op_schema: OpSchema) -> OpStrategy:
     # whole blocks (a rowwise scale spans all of K)
     recipe = op_schema.args_schema[3]
     rules = [[Shard(1), R, Shard(2), R]]
-    cb = None
+    strategy_filter = None
     if recipe == "mxfp8":
         rules.append([P, Shard(1), Shard(1), R])
         # K in whole blocks (forward), and N too: the backward quantizes along N
-        cb = _blocks_whole({0: 1, 1: (1, 2)})
-    return _expand(op_schema, rules, 1, cb)
+        strategy_filter = _blocks_whole({0: 1, 1: (1, 2)})
+    return _expand(op_schema, rules, 1, strategy_filter)
