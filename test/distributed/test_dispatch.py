@@ -606,12 +606,13 @@ class TestCapacityModeHasNoDataDependentShapes(_Base):
         layer = dispatch._Layer.of(x[mine], ids[mine], num_experts=E, group=dist.group.WORLD,
                                    activation="swiglu", alpha=1.702, limit=7.0, dedup=True,
                                    num_chunks=2, capacity_factor=8.0)
-        plan = dispatch._exchange_header(layer, *dispatch._plan_rows(ids[mine], layer))
+        splits = dispatch._exchange_header(layer, dispatch._plan_rows(ids[mine], layer))
 
         def capacity_math(x, topk_ids, topk_weights, w1, w2, w3):
-            planned, _ = dispatch._plan_rows(topk_ids, layer)
-            return dispatch._dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer,
-                                             planned, plan)[0]
+            plan = dispatch._plan_rows(topk_ids, layer)
+            return dispatch._dispatch_compute_combine(
+                x, topk_ids, topk_weights, dispatch._LocalExperts(w1, w2, w3), layer, plan,
+                splits)[0]
 
         fn = capacity_math
         if rank == 0:
@@ -681,7 +682,7 @@ class TestDispatchPlan256Ranks(TestCase):
         for dedup in (False, True):
             W = min(k, G) if dedup else 1
             plans = [_order_rows(ids[r * T:(r + 1) * T], G, R, dedup) for r in range(R)]
-            counts = torch.stack([p[-1] for p in plans])  # [source, destination]
+            counts = torch.stack([p.rows_per_dest for p in plans])  # [source, destination]
             self.assertEqual(counts, torch.stack([send_counts(ids[r * T:(r + 1) * T], E, R, dedup)
                                                   for r in range(R)]))
             layer = _Layer(None, R, 0, E, G, D, k, W, torch.float32, dedup, 1, None, "swiglu",

@@ -108,19 +108,19 @@ import numbers
 import struct
 import threading
 from dataclasses import dataclass
-from typing import NoReturn, Optional
+from typing import NamedTuple, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
-from torch_moe.distributed._collectives import (
-    all_to_all,
-    all_to_all_differentiable,
-    assert_on_device,
-    default_device,
-    wait,
+from torch_moe._compat import assert_async
+from torch_moe.distributed._compat import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+    object_collective_device,
+    wait_tensor,
 )
 
 __all__ = [
@@ -224,6 +224,11 @@ class _Layer:
         return max(1, math.ceil(wanted))
 
 
+# ---------------------------------------------------------------------------------------------
+# Step 2, header exchange: the layer signature, argument errors and split sizes of every rank
+# ---------------------------------------------------------------------------------------------
+
+
 def _float_code(v: float) -> int:
     return struct.unpack("<q", struct.pack("<d", v))[0]
 
@@ -292,7 +297,7 @@ class _Splits:
     capacity: Optional[int]
 
 
-def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]:
+def _exchange_header(layer: _Layer, plan: _Plan) -> list[_Splits]:
     """The first collective of a call: one all-to-all of an int64 header ``[R, S + 2 + 16 + 2]``
     per rank, whose width depends on no argument, then one device-to-host copy.
 
@@ -308,9 +313,9 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
     asynchronous assertion: a ``RuntimeError`` on every rank on CPU, a device-side assertion on
     CUDA)."""
     R, n = layer.R, layer.num_chunks
-    device = bad.device
+    device = plan.out_of_range.device
     if layer.capacity_factor is None:
-        columns = torch.stack([p[-1] for p in planned], 1)  # [R, n] rows per destination
+        columns = torch.stack([p.rows_per_dest for p in plan.chunks], 1)  # [R, n]
     else:
         caps = [layer.capacity(e - s) for s, e in layer.spans]
         columns = torch.tensor(caps, dtype=torch.int64, device=device).expand(R, n)
@@ -321,9 +326,9 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
         signature.expand(R, _CHUNK),
         columns,
         columns.new_zeros(R, _MAX_CHUNKS - n),
-        bad.long().view(1, 2).expand(R, 2),
+        torch.stack([plan.out_of_range, plan.repeated]).long().view(1, 2).expand(R, 2),
     ], 1)  # row r goes to rank r
-    recv = wait(all_to_all(send, None, None, layer.group))
+    recv = wait_tensor(all_to_all_single(send, None, None, layer.group))
     out_of_range, repeated = _id_errors(layer.num_experts, layer.W)
     if layer.capacity_factor is None:
         sent, received = torch.stack([send, recv]).tolist()  # the host synchronisation
@@ -340,12 +345,12 @@ def _exchange_header(layer: _Layer, planned: list, bad: Tensor) -> list[_Splits]
     received = recv[:, :_OUT_OF_RANGE].tolist()  # the one host read: shapes and arguments
     _raise_argument_errors(received, layer.group, device)
     _check_signatures([row[:_S] for row in received])
-    assert_on_device(recv[:, _OUT_OF_RANGE].eq(0).all(),
-                     f"{out_of_range}, but a rank of the expert-parallel group passed an id "
-                     "outside that range")
-    assert_on_device(recv[:, _REPEATED].eq(0).all(),
-                     f"{repeated}, but a rank of the expert-parallel group repeated an id "
-                     "within a token")
+    assert_async(recv[:, _OUT_OF_RANGE].eq(0).all(),
+                 f"{out_of_range}, but a rank of the expert-parallel group passed an id "
+                 "outside that range")
+    assert_async(recv[:, _REPEATED].eq(0).all(),
+                 f"{repeated}, but a rank of the expert-parallel group repeated an id "
+                 "within a token")
     return [_Splits([caps[c]] * R, [row[_CHUNK + c] for row in received], caps[c])
             for c in range(n)]
 
@@ -368,7 +373,7 @@ def _raise_with_the_group(error: Exception, group, device) -> NoReturn:
     send[:, _ERROR_TYPE] = _ERROR_TYPES.index(TypeError if isinstance(error, TypeError)
                                               else ValueError)
     send[:, _ERROR_BYTES] = len(_carried(error))
-    recv = wait(all_to_all(send, None, None, group))
+    recv = wait_tensor(all_to_all_single(send, None, None, group))
     raise _argument_error(recv[:, _ERROR_TYPE:_CHUNK].tolist(), error, group, device)
 
 
@@ -417,36 +422,41 @@ def _exchange_messages(own: Optional[Exception], lengths: list[int], group,
     mine = _carried(own) if own is not None else b""
     payload = torch.frombuffer(bytearray((mine + bytes(8 * words - len(mine))) * R),
                                dtype=torch.int64).to(device)
-    received = wait(all_to_all(payload, None, None, group))
+    received = wait_tensor(all_to_all_single(payload, None, None, group))
     data = bytes(received.cpu().view(torch.uint8).tolist())
     return [data[8 * words * src:8 * words * src + n].decode(errors="replace")
             for src, n in enumerate(lengths)]
 
 
-@dataclass
-class _Chunk:
-    """The rows of one chunk of a source rank's tokens, in send-buffer order.
+# ---------------------------------------------------------------------------------------------
+# Step 1, plan: where every assignment of a chunk goes, before anything crosses the wire
+# ---------------------------------------------------------------------------------------------
 
-    ``N`` is the number of send-buffer rows: the exact row count in exact mode, ``R * C`` in
-    capacity mode. Attributes ending in ``_N`` are indexed by buffer row.
+
+class _RowPlan(NamedTuple):
+    """One chunk's assignments in (destination, token[, slot]) order, numbered into rows.
+
+    ``A = T_chunk * k`` assignments; every field has a shape fixed by ``T_chunk, k, R``.
     """
 
-    token_N: Tensor  # [N] int64, chunk-local token of each row (0 for an empty row)
-    ids_NW: Tensor  # [N, W] int32 local expert ids, G where unused
-    weights_NW: Tensor  # [N, W] fp32 routing weights, 0 where unused (differentiable)
-    splits: _Splits
-    kept_per_dest: Optional[Tensor]  # [R] rows kept per destination, capacity mode
-    dropped: Optional[Tensor]  # () assignments dropped, capacity mode
+    order_A: Tensor  # [A] int64, the flat assignment t * k + j at each position
+    dest_A: Tensor  # [A] int64, its destination rank
+    row_A: Tensor  # [A] int64, its row in the send buffer (rows of all destinations)
+    col_A: Tensor  # [A] int64, its (id, weight) pair within that row
+    rows_per_dest: Tensor  # [R] int64
 
 
-def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool):
-    """Orders a chunk's assignments by (destination, token[, slot]) and numbers the rows.
+class _Plan(NamedTuple):
+    """The row plan of every chunk and the flags of the ids, which the header carries."""
 
-    Returns, over the ``T * k`` assignments in that order: ``order`` (the flat assignment),
-    ``dest``, ``row`` (buffer row, counted over all destinations), ``col`` (pair within the
-    row), ``is_first`` (the assignment that starts its row), and ``rows_per_dest [R]``. Every
-    output has a shape fixed by ``T, k, R``.
-    """
+    chunks: list[_RowPlan]
+    out_of_range: Tensor  # [] bool, an expert id outside [0, num_experts)
+    repeated: Tensor  # [] bool, a row with more than W pairs (dedup: an id named twice)
+
+
+def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool) -> _RowPlan:
+    """Orders a chunk's assignments ``topk_ids [T, k]`` by (destination, token[, slot]) and
+    numbers the rows: one per assignment, or with ``dedup`` one per (token, destination)."""
     T, k = topk_ids.shape
     device = topk_ids.device
     ids = topk_ids.long().reshape(-1)
@@ -458,121 +468,100 @@ def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool):
     key = dest * T + token if dedup else dest * (T * k) + ar
     order = torch.sort(key, stable=True).indices
     skey = key.index_select(0, order)
-    is_first = torch.ones(T * k, dtype=torch.bool, device=device)
+    is_first = torch.ones(T * k, dtype=torch.bool, device=device)  # starts its row
     is_first[1:] = skey[1:] != skey[:-1]
     row = torch.cumsum(is_first, 0) - 1
     start = torch.cummax(torch.where(is_first, ar, 0), 0).values  # first assignment of the row
-    col = ar - start
     sdest = dest.index_select(0, order)
     rows_per_dest = torch.zeros(R, dtype=torch.int64, device=device).index_add_(
         0, sdest, is_first.long())
-    return order, sdest, row, col, is_first, rows_per_dest
+    return _RowPlan(order, sdest, row, ar - start, rows_per_dest)
 
 
-def _plan_rows(topk_ids: Tensor, layer: _Layer) -> tuple[list, Tensor]:
-    """Every chunk's row plan, and the flags ``[2]`` (ids out of range, ids repeated within a
-    row: a token that names an expert twice has more than ``W`` pairs for a rank with dedup)."""
-    planned = [_order_rows(topk_ids[s:e], layer.G, layer.R, layer.dedup)
-               for s, e in layer.spans]
+def _plan_rows(topk_ids: Tensor, layer: _Layer) -> _Plan:
+    """Every chunk's :class:`_RowPlan` and the flags of the ids."""
+    chunks = [_order_rows(topk_ids[s:e], layer.G, layer.R, layer.dedup)
+              for s, e in layer.spans]
     out_of_range = ((topk_ids < 0) | (topk_ids >= layer.num_experts)).any()
-    repeated = torch.stack([(p[3] >= layer.W).any() for p in planned]).any()
-    return planned, torch.stack([out_of_range, repeated])
+    repeated = torch.stack([(p.col_A >= layer.W).any() for p in chunks]).any()
+    return _Plan(chunks, out_of_range, repeated)
 
 
-def _pack(topk_ids: Tensor, topk_weights: Tensor, planned, layer: _Layer,
-          splits: _Splits) -> _Chunk:
-    """Builds the send buffers of one chunk from :func:`_order_rows`' plan, with ops of static
-    output shapes only (scatters into buffers of host-known size, no boolean indexing)."""
-    order, sdest, row, col, _, rows_per_dest = planned
+# ---------------------------------------------------------------------------------------------
+# Step 3, exchange: the send buffers of a chunk, and its rows on the way to their experts
+# ---------------------------------------------------------------------------------------------
+
+
+class _SendBuffers(NamedTuple):
+    """The rows of one chunk of a source rank's tokens, in send-buffer order.
+
+    ``N`` is the number of send-buffer rows: the exact row count in exact mode, ``R * C`` in
+    capacity mode. Fields ending in ``_N`` are indexed by buffer row.
+    """
+
+    token_N: Tensor  # [N] int64, chunk-local token of each row (0 for an empty row)
+    ids_NW: Tensor  # [N, W] int32 local expert ids, G where unused
+    weights_NW: Tensor  # [N, W] fp32 routing weights, 0 where unused (differentiable)
+    splits: _Splits
+    kept_per_dest: Optional[Tensor]  # [R] rows kept per destination, capacity mode
+    dropped: Optional[Tensor]  # [] assignments dropped, capacity mode
+
+
+class _Received(NamedTuple):
+    """One chunk's rows on the receiving rank, each of them possibly still in flight; ``M`` is
+    ``sum(splits.recv)``."""
+
+    rows_MD: Tensor  # [M, D] token values (differentiable)
+    ids_MW: Tensor  # [M, W] int32 local expert ids, G where unused
+    weights_MW: Tensor  # [M, W] fp32 routing weights, 0 where unused (differentiable)
+
+
+def _pack(topk_ids: Tensor, topk_weights: Tensor, plan: _RowPlan, layer: _Layer,
+          splits: _Splits) -> _SendBuffers:
+    """Builds the send buffers of one chunk from its plan, with ops of static output shapes
+    only (scatters into buffers of host-known size, no boolean indexing)."""
     G, R, W, capacity = layer.G, layer.R, layer.W, splits.capacity
     device = topk_ids.device
     if capacity is None:
         num_rows = sum(splits.send)
-        slot = row
+        slot = plan.row_A
         kept_per_dest = dropped = None
     else:
         num_rows = R * capacity
-        first_row_of_dest = torch.cumsum(rows_per_dest, 0) - rows_per_dest
-        pos = row - first_row_of_dest.index_select(0, sdest)
+        first_row_of_dest = torch.cumsum(plan.rows_per_dest, 0) - plan.rows_per_dest
+        pos = plan.row_A - first_row_of_dest.index_select(0, plan.dest_A)
         kept = pos < capacity
         # dropped assignments land in one extra trash row, cut off below
-        slot = torch.where(kept, sdest * capacity + pos, num_rows)
-        kept_per_dest = rows_per_dest.clamp(max=capacity)
+        slot = torch.where(kept, plan.dest_A * capacity + pos, num_rows)
+        kept_per_dest = plan.rows_per_dest.clamp(max=capacity)
         dropped = (~kept).sum()
-    token = torch.div(order, topk_ids.size(1), rounding_mode="floor")
-    local = topk_ids.long().reshape(-1).index_select(0, order) - sdest * G
+    token = torch.div(plan.order_A, topk_ids.size(1), rounding_mode="floor")
+    local = topk_ids.long().reshape(-1).index_select(0, plan.order_A) - plan.dest_A * G
     # bad ids (reported collectively) become the unused id G; repeated ones share a pair
     local = torch.where((local >= 0) & (local < G), local, G)
-    col = col.clamp(max=W - 1)
+    col = plan.col_A.clamp(max=W - 1)
     # every assignment of a row has the row's token, so all of them may write it
     token_N = torch.zeros(num_rows + 1, dtype=torch.int64, device=device).index_put(
         (slot,), token)
     ids_NW = torch.full((num_rows + 1, W), G, dtype=_ID_DTYPE, device=device)
     ids_NW = ids_NW.index_put((slot, col), local.to(_ID_DTYPE))
-    weights = topk_weights.reshape(-1).to(_WEIGHT_DTYPE).index_select(0, order)
+    weights = topk_weights.reshape(-1).to(_WEIGHT_DTYPE).index_select(0, plan.order_A)
     weights_NW = weights.new_zeros(num_rows + 1, W).index_put((slot, col), weights)
-    return _Chunk(token_N[:num_rows], ids_NW[:num_rows], weights_NW[:num_rows], splits,
-                  kept_per_dest, dropped)
+    return _SendBuffers(token_N[:num_rows], ids_NW[:num_rows], weights_NW[:num_rows], splits,
+                        kept_per_dest, dropped)
 
 
-def _dispatch_chunks(x, topk_ids, topk_weights, w1, w2, w3, layer: _Layer, planned,
-                     splits: list[_Splits]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Packs, sends, computes and combines every chunk, given the host-known splits.
-
-    Returns ``y [T, D]`` in ``x.dtype`` and the device counters of this call
-    (``last_expert_load``; in capacity mode also the row counts and ``dropped``). In capacity
-    mode every shape here follows from the splits: no op has a data-dependent shape and
-    nothing is read on the host, so this part traces into one graph."""
-    G, rank, group = layer.G, layer.rank, layer.group
-    device = x.device
-    chunks = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
-              for (s, e), p, sp in zip(layer.spans, planned, splits)]
-
-    # start every chunk's dispatch
-    in_flight = []
-    for (s, e), ch in zip(layer.spans, chunks):
-        rows = _chunk_tokens(x, s, e).index_select(0, ch.token_N)
-        sp = ch.splits
-        in_flight.append((
-            all_to_all_differentiable(rows, sp.recv, sp.send, group),
-            all_to_all(ch.ids_NW, sp.recv, sp.send, group),
-            all_to_all_differentiable(ch.weights_NW, sp.recv, sp.send, group),
-        ))
-
-    # local experts chunk by chunk; each result starts back at once
-    stats: dict[str, Tensor] = {}
-    returning = []
-    for ch, (rows, ids, weights) in zip(chunks, in_flight):
-        ids = wait(ids)
-        sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
-        out, _ = torch.ops.torch_moe.grouped_ffn(
-            rows, sorted_ids, offs[:G], weights, w1, w2, w3, layer.activation, layer.alpha,
-            layer.limit)
-        returning.append(all_to_all_differentiable(out, ch.splits.send, ch.splits.recv, group))
-        _add(stats, "last_expert_load", counts[:G])
-        if ch.splits.capacity is not None:
-            used = (ids < G).any(1).long()  # padding rows carry only the unused id G
-            own = sum(ch.splits.recv[:rank])
-            own_used = used[own:own + ch.splits.recv[rank]].sum()
-            _add(stats, "rows_received", used.sum())
-            _add(stats, "rows_received_remote", used.sum() - own_used)
-            _add(stats, "rows_sent", ch.kept_per_dest.sum())
-            _add(stats, "rows_sent_remote", ch.kept_per_dest.sum() - ch.kept_per_dest[rank])
-            _add(stats, "dropped", ch.dropped)
-
-    # combine: add the returned rows of each token, fp32
-    ys = []
-    for (s, e), ch, back in zip(layer.spans, chunks, returning):
-        # an empty chunk still has its padding rows in capacity mode: they add zeros to a
-        # spare row, so that the returned rows stay in the graph of every rank's backward
-        y = torch.zeros(max(e - s, 1), layer.D, dtype=torch.float32, device=device)
-        y = y.index_add(0, ch.token_N, back.float())
-        # a non-empty chunk's sum is used whole, so the result is a tensor of its own (a module
-        # wrapped by fully_shard must not return a view); only an empty chunk slices its spare
-        # row away
-        ys.append(y if e > s else y[:0])
-    y = torch.cat(ys) if len(ys) > 1 else ys[0]
-    return y.to(x.dtype), stats
+def _send_rows(x_chunk: Tensor, buffers: _SendBuffers, group) -> _Received:
+    """Starts the exchange of one chunk: its rows (differentiable), local expert ids and
+    routing weights (differentiable), with functional all-to-alls that run in the
+    background."""
+    sp = buffers.splits
+    rows = x_chunk.index_select(0, buffers.token_N)
+    return _Received(
+        all_to_all_single_autograd(rows, sp.recv, sp.send, group),
+        all_to_all_single(buffers.ids_NW, sp.recv, sp.send, group),
+        all_to_all_single_autograd(buffers.weights_NW, sp.recv, sp.send, group),
+    )
 
 
 def _chunk_tokens(x: Tensor, s: int, e: int) -> Tensor:
@@ -581,6 +570,88 @@ def _chunk_tokens(x: Tensor, s: int, e: int) -> Tensor:
     if e > s:
         return x[s:e]
     return torch.cat([x[s:e], x.new_zeros(1, x.size(1))])
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 4, expert compute: the local experts on the received rows, sent back at once
+# ---------------------------------------------------------------------------------------------
+
+
+class _Computed(NamedTuple):
+    """The local experts' result for one received chunk."""
+
+    returning_ND: Tensor  # [N, D] x.dtype, the weighted expert sums of the rows this rank
+    #                       sent, on their way back (differentiable, possibly in flight)
+    ids_MW: Tensor  # [M, W] int32, the received local expert ids (waited for)
+    load_G: Tensor  # [G] int64, assignments each local expert computed
+
+
+class _LocalExperts(NamedTuple):
+    """The weights of this rank's ``G`` experts, in the dtype of ``x``."""
+
+    w1: Tensor  # [G, D, F], or fused [G, D, 2F]
+    w2: Tensor  # [G, F, D]
+    w3: Optional[Tensor]  # [G, D, F] for gated activations with a separate w1, else None
+
+
+def _compute_experts(received: _Received, splits: _Splits, experts: _LocalExperts,
+                     layer: _Layer) -> _Computed:
+    """Waits for a chunk's ids, runs the local experts on its rows with the travelling weights
+    (``k = W``; the unused id ``G`` sorts past the last group and is skipped) and starts the
+    results back to their sources: the reverse of the chunk's exchange."""
+    G = layer.G
+    ids = wait_tensor(received.ids_MW)
+    sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
+    out, _ = torch.ops.torch_moe.grouped_ffn(
+        received.rows_MD, sorted_ids, offs[:G], received.weights_MW, *experts,
+        layer.activation, layer.alpha, layer.limit)
+    returning = all_to_all_single_autograd(out, splits.send, splits.recv, layer.group)
+    return _Computed(returning, ids, counts[:G])
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 5, combine: the returned rows added into the output of their tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def _combine(x: Tensor, layer: _Layer, buffers: list[_SendBuffers],
+             computed: list[_Computed]) -> Tensor:
+    """``y [T, D]`` in ``x.dtype``: the returned rows of every token added in fp32."""
+    ys = []
+    for (s, e), buf, back in zip(layer.spans, buffers, computed):
+        # an empty chunk still has its padding rows in capacity mode: they add zeros to a
+        # spare row, so that the returned rows stay in the graph of every rank's backward
+        y = torch.zeros(max(e - s, 1), layer.D, dtype=torch.float32, device=x.device)
+        y = y.index_add(0, buf.token_N, back.returning_ND.float())
+        # a non-empty chunk's sum is used whole, so the result is a tensor of its own (a module
+        # wrapped by fully_shard must not return a view); only an empty chunk slices its spare
+        # row away
+        ys.append(y if e > s else y[:0])
+    y = torch.cat(ys) if len(ys) > 1 else ys[0]
+    return y.to(x.dtype)
+
+
+def _call_counts(layer: _Layer, buffers: list[_SendBuffers],
+                 computed: list[_Computed]) -> dict[str, Tensor]:
+    """The device counters of this call: ``last_expert_load``, and in capacity mode the row
+    counts and ``dropped``, which only the device knows (padding rows carry the unused id
+    ``G`` alone)."""
+    rank = layer.rank
+    stats: dict[str, Tensor] = {}
+    for buf, c in zip(buffers, computed):
+        _add(stats, "last_expert_load", c.load_G)
+        sp = buf.splits
+        if sp.capacity is None:
+            continue
+        used = (c.ids_MW < layer.G).any(1).long()
+        own = sum(sp.recv[:rank])
+        own_used = used[own:own + sp.recv[rank]].sum()
+        _add(stats, "rows_received", used.sum())
+        _add(stats, "rows_received_remote", used.sum() - own_used)
+        _add(stats, "rows_sent", buf.kept_per_dest.sum())
+        _add(stats, "rows_sent_remote", buf.kept_per_dest.sum() - buf.kept_per_dest[rank])
+        _add(stats, "dropped", buf.dropped)
+    return stats
 
 
 def _add(stats: dict, name: str, value: Tensor) -> None:
@@ -727,7 +798,7 @@ def _header_device(x, group: dist.ProcessGroup) -> torch.device:
     ranks, or the group's default device when ``x`` is not a tensor with data."""
     if isinstance(x, Tensor) and x.device.type != "meta":
         return x.device
-    return default_device(group)
+    return object_collective_device(group)
 
 
 def expert_parallel_moe_ffn(
@@ -787,12 +858,33 @@ def expert_parallel_moe_ffn(
     layer = _Layer.of(x, topk_ids, num_experts=num_experts, group=group, activation=activation,
                       alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
                       capacity_factor=capacity_factor)
-    planned, bad = _plan_rows(topk_ids, layer)
-    splits = _exchange_header(layer, planned, bad)
-    y, stats = _dispatch_chunks(x, topk_ids, topk_weights, w1_local, w2_local, w3_local, layer,
-                                planned, splits)
-    _record_traffic(layer, splits, stats, x.element_size(), x.device)
+    # 1. plan the rows of every chunk; 2. exchange the header (the host synchronisation)
+    plan = _plan_rows(topk_ids, layer)
+    splits = _exchange_header(layer, plan)
+    y, counts = _dispatch_compute_combine(x, topk_ids, topk_weights,
+                                          _LocalExperts(w1_local, w2_local, w3_local), layer,
+                                          plan, splits)
+    _record_traffic(layer, splits, counts, x.element_size(), x.device)
     return y
+
+
+def _dispatch_compute_combine(x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                              experts: _LocalExperts, layer: _Layer, plan: _Plan,
+                              splits: list[_Splits]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Steps 3 to 5 of a call, given the host-known splits of every chunk: ``y [T, D]`` in
+    ``x.dtype`` and the device counters of the call (:func:`_call_counts`). In capacity mode
+    every shape here follows from the splits: no op has a data-dependent shape and nothing is
+    read on the host, so this part traces into one graph."""
+    # 3. exchange: start every chunk's rows towards their experts
+    buffers = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
+               for (s, e), p, sp in zip(layer.spans, plan.chunks, splits)]
+    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer.group)
+                for (s, e), buf in zip(layer.spans, buffers)]
+    # 4. expert compute, chunk by chunk, each result sent back at once: with several chunks
+    # the exchanges of one overlap the expert compute of another
+    computed = [_compute_experts(r, sp, experts, layer) for r, sp in zip(received, splits)]
+    # 5. combine
+    return _combine(x, layer, buffers, computed), _call_counts(layer, buffers, computed)
 
 
 def _record_traffic(layer: _Layer, splits: list[_Splits], stats: dict, elem_bytes: int,
