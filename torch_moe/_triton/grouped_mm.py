@@ -52,6 +52,11 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
+from torch_moe._compat import (
+    functional_tensor_mode,
+    is_plain_or_tracing_tensor_type,
+    triton_op_decomposition_disabled,
+)
 
 __all__ = ["GemmConfig", "grouped_mm", "indexed_grouped_mm", "register_cuda_kernels"]
 
@@ -537,10 +542,7 @@ def _triton_indexed_grouped_mm(
 def _plain_cuda_tensors(types, args, kwargs) -> bool:
     """Whether every tensor argument is on CUDA and none is a tensor subclass (other than the
     fake and functional tensors of tracing), as triton_op requires to decompose."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    if not all(t in (Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types):
+    if not all(is_plain_or_tracing_tensor_type(t) for t in types):
         return False
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     return all(t.device.type == "cuda" for t in tensors)
@@ -571,11 +573,7 @@ def _decompose_into(triton_overload):
     """
 
     def rule(mode, func, types, args, kwargs):
-        from torch.export._trace import custom_triton_ops_decomposition_disabled
-
-        if not custom_triton_ops_decomposition_disabled() and _plain_cuda_tensors(
-            types, args, kwargs
-        ):
+        if not triton_op_decomposition_disabled() and _plain_cuda_tensors(types, args, kwargs):
             with mode:
                 return triton_overload(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
@@ -598,18 +596,17 @@ def register_cuda_kernels() -> None:
     global _registered
     if _registered:
         return
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
+    functional_mode = functional_tensor_mode()
     torch.library.impl("torch_moe::grouped_mm", "CUDA")(_grouped_mm_cuda)
     torch.library.impl("torch_moe::indexed_grouped_mm", "CUDA")(_indexed_grouped_mm_cuda)
     torch.library.register_torch_dispatch(
         "torch_moe::grouped_mm",
-        FunctionalTensorMode,
+        functional_mode,
         _decompose_into(torch.ops.torch_moe._triton_grouped_mm.default),
     )
     torch.library.register_torch_dispatch(
         "torch_moe::indexed_grouped_mm",
-        FunctionalTensorMode,
+        functional_mode,
         _decompose_into(torch.ops.torch_moe._triton_indexed_grouped_mm.default),
     )
     _registered = True
