@@ -140,6 +140,12 @@ class TestDispatchPlan(TestCase):
         scores[0, 7] = 1.0
         ids, _ = rank_limited_topk(scores, 2, num_ranks=4, max_ranks=1, rank_score_topk=1)
         self.assertEqual(ids, torch.tensor([[7, 6]]))
+        # ... nor replaced by an excluded rank's expert when top-k needs one of them (masking the
+        # excluded ranks with -inf, as the router does, would pick expert 0 of rank 0 here)
+        scores = torch.full((1, 12), 0.1)
+        scores[0, 9:] = torch.tensor([1.0, 0.9, -math.inf])
+        ids, _ = rank_limited_topk(scores, 3, num_ranks=4, max_ranks=1)
+        self.assertEqual(ids, torch.tensor([[9, 10, 11]]))
 
     # With 256 ranks there is one expert per rank, so 8 experts need m >= 8 and rank limiting
     # cannot save anything there.

@@ -29,6 +29,8 @@ import numbers
 import torch
 from torch import Tensor
 
+from torch_moe.nn.functional import _stable_topk
+
 __all__ = [
     "bytes_per_token",
     "dedup_mask",
@@ -150,13 +152,6 @@ def send_counts(topk_ids: Tensor, num_experts: int, num_ranks: int, dedup: bool)
     return counts.scatter_add_(0, flat, ones)
 
 
-def _stable_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    # torch.topk does not specify which of equal values it returns; a stable descending sort
-    # keeps equal values in index order, so ties go to the lowest index on every device.
-    sorted_vals, idx = torch.sort(values, dim=-1, descending=True, stable=True)
-    return sorted_vals[..., :k], idx[..., :k]
-
-
 def rank_limited_topk(
     scores: Tensor,
     k: int,
@@ -171,6 +166,17 @@ def rank_limited_topk(
     scores, the ``max_ranks`` highest-scoring ranks are kept, and the ``k`` highest expert
     scores among the kept ranks' experts are selected. Ties go to the lowest rank, then the
     lowest expert index.
+
+    The ranks are the groups of the router's group-limited routing
+    (:func:`torch_moe.nn.functional.route` with ``num_groups=R``, ``topk_groups=m``), and the
+    selection uses its tie-breaking top-k, but not its masking of the other groups, for two
+    reasons. A group's score there is always the sum of its top ``min(2, E / R)`` scores, while
+    ``rank_score_topk`` is a parameter here. And the router masks the experts of the other
+    groups with ``-inf`` before its top-k, which the router's finite scores keep apart from
+    every kept expert; ``scores`` here may hold genuine ``-inf`` (experts ruled out by the
+    caller), which would tie with the masked experts and could hand a token an expert of a rank
+    outside its best ``max_ranks``. Gathering the kept ranks' experts instead keeps the bound of
+    ``max_ranks`` ranks per token, the traffic bound of deduplicated dispatch, for any scores.
 
     Args:
         scores: ``[T, E]`` routing scores (higher is better), e.g. sigmoid affinities plus the
