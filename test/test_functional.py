@@ -15,10 +15,13 @@ from torch.testing._internal.common_utils import (
     parametrize,
     run_tests,
 )
+from torch.testing._internal.two_tensor import TwoTensor
 
 import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
 from torch_moe import _refs
 from torch_moe._native import _cpu_features
+from torch_moe._native import activation as fused_activation
+from torch_moe.nn import _subclass_hooks, MoE, MoEConfig
 from torch_moe.nn.functional import moe_ffn
 
 
@@ -180,6 +183,90 @@ class TestMoEFFN(TestCase):
         expected = torch.autograd.grad(moe_ffn(x, ids, w, w1, w2, w3).sum(), (x, w, w1))
         self.assertEqual(grads, expected)
 
+
+    def test_parameter_tokens_take_the_plain_path(self):
+        x, ids, w, w1, w2, w3 = make_layer()
+        out = moe_ffn(torch.nn.Parameter(x.detach()), ids, w, w1, w2, w3)
+        self.assertEqual(out, moe_ffn(x, ids, w, w1, w2, w3))
+
+    def test_tensor_subclass_without_handlers_raises(self):
+        # a subclass that no package registered handlers for is not run as if it were plain
+        x, ids, w, w1, w2, w3 = make_layer()
+        two = TwoTensor(x.detach(), x.detach().clone())
+        with self.assertRaisesRegex(TypeError, r"moe_ffn: expected x to be a plain tensor or a "
+                                    r"tensor subclass with MoE handlers .*TwoTensor"):
+            moe_ffn(two, ids, w, w1, w2, w3)
+        moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2))
+        with self.assertRaisesRegex(TypeError, r"MoE: expected x .*TwoTensor"):
+            moe(two)
+
+    def test_registered_subclass_handlers_run(self):
+        # handlers apply to the registered type and its subclasses; the plain computation they
+        # are given equals moe_ffn
+        class Marked(TwoTensor):
+            pass
+
+        calls = []
+
+        def ffn_handler(x, topk_ids, topk_weights, w1, w2, w3, local_moe_ffn):
+            calls.append("moe_ffn")
+            return local_moe_ffn(x.a, topk_ids, topk_weights, w1, w2, w3)
+
+        def layer_handler(moe, x, return_aux_loss):
+            calls.append(("MoE", return_aux_loss))
+            return moe(x.a)
+
+        x, ids, w, w1, w2, w3 = make_layer()
+        saved = dict(_subclass_hooks._HANDLERS)
+        try:
+            _subclass_hooks.register_subclass_handlers(TwoTensor, moe_ffn=ffn_handler,
+                                                       moe_layer=layer_handler)
+            marked = Marked(x.detach(), x.detach().clone())
+            out = moe_ffn(marked, ids, w, w1, w2, w3, activation="geglu")
+            moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2))
+            y = moe(marked, return_aux_loss=True)
+        finally:
+            _subclass_hooks._HANDLERS.clear()
+            _subclass_hooks._HANDLERS.update(saved)
+        self.assertEqual(calls, ["moe_ffn", ("MoE", True)])
+        self.assertEqual(out, moe_ffn(x, ids, w, w1, w2, w3, activation="geglu"))
+        self.assertEqual(y, moe(x))
+        with self.assertRaisesRegex(TypeError, "expected a subclass of torch.Tensor"):
+            _subclass_hooks.register_subclass_handlers(torch.Tensor, moe_ffn=ffn_handler,
+                                                       moe_layer=layer_handler)
+
+    @parametrize("kind", ["swiglu", "geglu", "swiglu_oai", "gelu", "relu"])
+    def test_activation_matches_reference(self, kind):
+        # the library's activation (one module, shared by every path) against the reference's
+        # own formulas, values and gradients, with gate / up values past the swiglu_oai limit
+        g = torch.Generator().manual_seed(0)
+        gate = (torch.randn(64, 5, generator=g, dtype=torch.float64) * 4).requires_grad_()
+        up = (torch.randn(64, 5, generator=g, dtype=torch.float64) * 4).requires_grad_()
+        gated = kind in ("swiglu", "geglu", "swiglu_oai")
+        args = (gate, up) if gated else (gate,)
+        out = torch_moe.nn.functional.activation(kind, *args, alpha=1.5, limit=3.0)
+        ref = _refs.activation(kind, *args, alpha=1.5, limit=3.0)
+        self.assertEqual(out, ref, atol=1e-12, rtol=1e-12)
+        grad = torch.randn_like(out)
+        self.assertEqual(torch.autograd.grad(out, args, grad), torch.autograd.grad(ref, args, grad),
+                         atol=1e-12, rtol=1e-12)
+
+    def test_fused_activation_backward_matches_reference(self):
+        # the fused kernels' hand-written derivatives against autograd through the reference
+        g = torch.Generator().manual_seed(1)
+        for kind in ("swiglu", "geglu", "swiglu_oai", "gelu", "relu"):
+            gated = kind in ("swiglu", "geglu", "swiglu_oai")
+            h = torch.randn(32, 6 if gated else 3, generator=g, dtype=torch.float64) * 4
+            grad = torch.randn(32, 3, generator=g, dtype=torch.float64)
+            out = fused_activation.activation_forward(kind, h, torch.empty(32, 3, dtype=h.dtype),
+                                                      1.5, 3.0)
+            grad_h = fused_activation.activation_backward(kind, grad, h, torch.empty_like(h), 1.5, 3.0)
+            hr = h.clone().requires_grad_()
+            ref = _refs.activation(kind, *(hr.chunk(2, dim=1) if gated else (hr,)), alpha=1.5,
+                                   limit=3.0)
+            self.assertEqual(out, ref, atol=1e-12, rtol=1e-12, msg=kind)
+            self.assertEqual(grad_h, torch.autograd.grad(ref, hr, grad)[0], atol=1e-12, rtol=1e-12,
+                             msg=kind)
 
 instantiate_parametrized_tests(TestMoEFFN)
 

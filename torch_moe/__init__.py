@@ -4,10 +4,10 @@ Importing the package registers the ``torch.ops.torch_moe`` operator library: sc
 (:mod:`torch_moe._ops`), fake kernels (:mod:`torch_moe._meta_registrations`), CPU kernels
 (:mod:`torch_moe._native`) and derivative formulas (:mod:`torch_moe._autograd`); the FP8 / MXFP8
 ops (:mod:`torch_moe.quantization`); and, lazily, the Inductor lowerings
-(:mod:`torch_moe._inductor`) and DTensor sharding strategies (:mod:`torch_moe.distributed.tensor`).
+(:mod:`torch_moe._inductor`), the DTensor sharding strategies (:mod:`torch_moe.distributed.tensor`)
+and the DTensor handlers of ``moe_ffn`` / ``MoE``
+(:mod:`torch_moe.distributed.tensor._token_parallel`).
 """
-
-import sys
 
 from torch_moe import _ops  # noqa: F401  (defines the schemas first)
 from torch_moe import _meta_registrations  # noqa: F401
@@ -29,11 +29,19 @@ from torch_moe import _inductor as _inductor_support  # noqa: E402
 
 _inductor_support.install()
 
-# DTensor sharding strategies register with ``import torch_moe.distributed.tensor`` (done here
-# when the program already uses DTensor, and by moe_ffn / MoE when they receive a DTensor):
-# importing torch.distributed.tensor costs about two seconds that non-distributed users skip.
-if "torch.distributed.tensor" in sys.modules:
-    import torch_moe.distributed.tensor  # noqa: F401
+# DTensor support (sharding strategies, and the DTensor handlers of moe_ffn / MoE) registers
+# with torch.distributed.tensor: here when the program already uses DTensor, else right after
+# its first import. A DTensor cannot exist before, and importing torch.distributed.tensor costs
+# about two seconds that non-distributed users skip.
+from torch_moe._inductor._import_hook import call_after_import  # noqa: E402
+
+
+def _register_dtensor_support() -> None:
+    import torch_moe.distributed.tensor  # noqa: F401  (sharding strategies)
+    import torch_moe.distributed.tensor._token_parallel  # noqa: F401  (moe_ffn / MoE handlers)
+
+
+call_after_import("torch.distributed.tensor", _register_dtensor_support)
 
 __all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn", "quantization"]
 __version__ = "0.1.0"

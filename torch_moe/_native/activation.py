@@ -1,8 +1,17 @@
-"""Expert activations, forward and backward, written for the fused CPU kernels.
+"""The expert activations of torch_moe, forward and backward: the one place their math lives.
 
-The gated activations read one pre-activation buffer ``h [n, 2F]`` whose first half is the gate
-``g = x @ w1`` and second half the up projection ``u = x @ w3``; the others read ``h [n, F]``.
-Backward recomputes from ``h`` (the only tensor saved), so no activation output is ever stored.
+Two forms of the same formulas:
+
+* :func:`activation`, an autograd composition on ``gate`` / ``up`` of any shape: the dense
+  paths (:func:`torch_moe.nn.functional.activation`, the quantized expert FFN) differentiate
+  through it.
+* :func:`activation_forward` / :func:`activation_backward`, the fused kernels' form: they read
+  one pre-activation buffer ``h [n, 2F]`` whose first half is the gate ``g = x @ w1`` and second
+  half the up projection ``u = x @ w3`` (``h [n, F]`` when not gated), write into buffers given
+  by the caller, and state the derivative by hand. Backward recomputes from ``h`` (the only
+  tensor saved), so no activation output is ever stored.
+
+Formulas (``L`` = ``limit``):
 
     swiglu      silu(g) * u
     geglu       gelu(g) * u                                   (exact, erf-based gelu)
@@ -11,12 +20,30 @@ Backward recomputes from ``h`` (the only tensor saved), so no activation output 
     relu        relu(h)
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F_
 
 from torch_moe._checks import GATED_ACTIVATIONS
 
-__all__ = ["activation_forward", "activation_backward"]
+__all__ = ["activation", "activation_forward", "activation_backward"]
+
+
+def activation(kind: str, gate: torch.Tensor, up: Optional[torch.Tensor] = None, *,
+               alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """``act(gate, up)`` out of place, differentiable by autograd; ``up`` (of the shape of
+    ``gate``) is read by the gated kinds only. The caller has checked ``kind`` and ``up``."""
+    if kind == "swiglu":
+        return F_.silu(gate) * up
+    if kind == "geglu":
+        return F_.gelu(gate) * up
+    if kind == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+    if kind == "gelu":
+        return F_.gelu(gate)
+    return F_.relu(gate)
 
 
 def _split(h: torch.Tensor, gated: bool):

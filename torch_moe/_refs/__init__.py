@@ -5,6 +5,8 @@ against these. They use only differentiable torch ops on single rows, so autogra
 is the reference gradient. Never used by the library itself.
 """
 
+import math
+
 import torch
 
 __all__ = [
@@ -103,12 +105,23 @@ def indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_index=Non
 
 
 def activation(kind, g, u=None, alpha=1.702, limit=7.0):
-    """The plain autograd composition of each expert activation (shared with the library's
-    dense path, :func:`torch_moe.nn.functional.activation`); the fused kernels' hand-written
-    backward formulas are tested against autograd through it."""
-    from torch_moe.nn.functional import activation as plain_activation
+    """Each expert activation written out from its definition with elementary torch ops, so that
+    autograd through it is the reference for the fused kernels' hand-written derivatives."""
+    def gelu(t):  # the exact, erf-based gelu
+        return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
 
-    return plain_activation(kind, g, u, alpha=alpha, limit=limit)
+    if kind == "swiglu":
+        return g * torch.sigmoid(g) * u
+    if kind == "geglu":
+        return gelu(g) * u
+    if kind == "swiglu_oai":
+        g = torch.clamp(g, max=limit)
+        return (torch.clamp(u, -limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+    if kind == "gelu":
+        return gelu(g)
+    if kind == "relu":
+        return torch.where(g > 0, g, torch.zeros_like(g))
+    raise ValueError(f"unknown activation {kind!r}")
 
 
 def moe_ffn(x, topk_ids, topk_weights, w1, w2, w3=None, *, activation_kind="swiglu",
@@ -139,7 +152,6 @@ def route(logits_TE, config, expert_bias=None):
 
     Ties go to the lowest expert id: candidates are ordered by (-value, id).
     """
-    import math
 
     c = config
     E, k = c.num_experts, c.top_k
@@ -184,7 +196,6 @@ def moe_layer(x_TD, moe):
     assignment first on ties), each selected expert's FFN on the single token row, shared
     experts and their gate.
     """
-    import math
 
     c = moe.config
     x = x_TD.double()

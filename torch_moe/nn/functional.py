@@ -9,7 +9,9 @@ from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
 from torch_moe._compat import assert_async
+from torch_moe._native.activation import activation as _activation
 from torch_moe.nn import _checks as C
+from torch_moe.nn._subclass_hooks import subclass_handlers
 from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
 from torch_moe.quantization._checks import QUANTIZABLE_DTYPES
 from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
@@ -68,6 +70,27 @@ def moe_ffn(
     over ``[T * k, F]`` against the ``[T * k, D] + 3 [T * k, F]`` a plain autograd composition
     keeps alive.
     """
+    kwargs = dict(activation=activation, alpha=alpha, limit=limit, precision=precision,
+                  scale_mode=scale_mode, wgrad_high_precision=wgrad_high_precision)
+    _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, **kwargs)
+    handlers = subclass_handlers("moe_ffn", x)
+    if handlers is not None:
+        # the subclass's owner runs the layer (a DTensor: every rank routes its own tokens),
+        # calling back into the plain computation on its local tensors
+        return handlers.moe_ffn(x, topk_ids, topk_weights, w1, w2, w3,
+                                functools.partial(_local_moe_ffn, **kwargs))
+    return _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, **kwargs)
+
+
+def _local_moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, **kwargs) -> Tensor:
+    """:func:`moe_ffn` on the local tensors a subclass handler passes (its checks again, on the
+    local shapes, then the routed experts)."""
+    _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, **kwargs)
+    return _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, **kwargs)
+
+
+def _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, *, activation, alpha, limit, precision,
+                   scale_mode, wgrad_high_precision) -> None:
     # Plain raises rather than torch._check: Dynamo traces this wrapper, and a torch._check
     # message closure that captures tensors would break the graph.
     if activation not in ACTIVATIONS:
@@ -90,15 +113,11 @@ def moe_ffn(
         C.check_real("moe_ffn", "limit", limit, low=0, strict=True)
     if precision != "bf16":
         _check_quantized_operands(x, w2, precision)
-    if type(x).__name__ == "DTensor":
-        # every rank routes its own tokens: see torch_moe.distributed.tensor._token_parallel
-        from torch_moe.distributed.tensor._token_parallel import token_parallel_moe_ffn
 
-        local = functools.partial(
-            moe_ffn, activation=activation, alpha=alpha, limit=limit, precision=precision,
-            scale_mode=scale_mode, wgrad_high_precision=wgrad_high_precision,
-        )
-        return token_parallel_moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, local)
+
+def _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, *, activation, alpha, limit,
+                    precision, scale_mode, wgrad_high_precision) -> Tensor:
+    """Token sort and the expert FFN of :func:`moe_ffn` on checked plain tensors."""
     if precision != "bf16":
         sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(
             topk_ids, w1.size(0), group_alignment(precision)
@@ -405,7 +424,8 @@ def _check_token_sort_with_capacity(topk_ids, topk_weights, num_experts, capacit
 def activation(kind: str, gate: Tensor, up: Optional[Tensor] = None, *, alpha: float = 1.702,
                limit: float = 7.0) -> Tensor:
     """The expert activations of :func:`moe_ffn` on plain tensors (used by dense FFNs, such as
-    shared experts). ``up`` is required by the gated kinds and ignored by the others."""
+    shared experts). ``up`` is required by the gated kinds and ignored by the others. The
+    formulas are those of the fused kernels (:mod:`torch_moe._native.activation`)."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activation: expected kind to be one of {ACTIVATIONS}, but got {kind!r}")
     if kind in GATED_ACTIVATIONS:
@@ -415,13 +435,4 @@ def activation(kind: str, gate: Tensor, up: Optional[Tensor] = None, *, alpha: f
         if up.shape != gate.shape:
             raise ValueError(f"activation: expected up of the shape of gate {tuple(gate.shape)}, but "
                              f"got {tuple(up.shape)}")
-    if kind == "swiglu":
-        return F.silu(gate) * up
-    if kind == "geglu":
-        return F.gelu(gate) * up
-    if kind == "swiglu_oai":
-        gate = gate.clamp(max=limit)
-        return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
-    if kind == "gelu":
-        return F.gelu(gate)
-    return F.relu(gate)
+    return _activation(kind, gate, up, alpha=alpha, limit=limit)

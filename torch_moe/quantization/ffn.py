@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch_moe._checks import GATED_ACTIVATIONS
+from torch_moe._native.activation import activation as act_fn
 from torch_moe.quantization._checks import GROUP_ALIGNMENT, RECIPES
 
 __all__ = ["quantized_expert_ffn"]
@@ -46,9 +48,6 @@ def quantized_expert_ffn(
     """
     if precision not in RECIPES:
         raise ValueError(f"quantized_expert_ffn: expected precision in {RECIPES}, but got {precision!r}")
-    from torch_moe._checks import GATED_ACTIVATIONS
-    from torch_moe.nn.functional import activation as act_fn
-
     _check_shapes(x_TD, w1_EDF, w2_EFD, w3_EDF, activation in GATED_ACTIVATIONS)
 
     def gmm(a, w):

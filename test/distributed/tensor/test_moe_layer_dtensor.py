@@ -12,6 +12,10 @@ data-parallel rank does); the equality tests run without them, and
 """
 
 import copy
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -223,6 +227,30 @@ class TestMoEDTensorBadInput(_FakeWorld):
                              w, torch.randn(4, 24, 16), w),
                 """moe_ffn: x is a DTensor, so w1 must be a DTensor on the same mesh too, but got a LocalTensor""",
             )
+
+
+class TestDTensorHandlersRegistration(TestCase):
+    def test_registered_when_torch_distributed_tensor_is_imported_later(self):
+        # torch_moe imported first, DTensor later: the DTensor handlers of moe_ffn / MoE and the
+        # sharding strategies are registered by the time a DTensor can exist
+        script = textwrap.dedent("""
+            import sys
+            import torch_moe
+            from torch_moe.nn import _subclass_hooks
+            assert "torch.distributed.tensor" not in sys.modules, "imported too early"
+            assert not _subclass_hooks._HANDLERS
+            from torch.distributed.tensor import DTensor
+            handlers = _subclass_hooks._HANDLERS[DTensor]
+            assert "torch_moe.distributed.tensor._ops._moe_ops" in sys.modules
+            token_parallel = sys.modules["torch_moe.distributed.tensor._token_parallel"]
+            assert handlers.moe_ffn is token_parallel.token_parallel_moe_ffn
+            assert handlers.moe_layer is token_parallel.moe_layer_forward
+            print("ok")
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             cwd=pathlib.Path(__file__).resolve().parents[3], timeout=300)
+        self.assertEqual(out.returncode, 0, msg=out.stderr)
+        self.assertEqual(out.stdout.strip(), "ok")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ The routing ops have no exact token-sharded rule (their index maps are global, s
 :mod:`torch_moe.distributed.tensor._ops._moe_ops`), but the routed FFN as a whole is exact on
 token shards: a token's output depends on that token only. So when ``moe_ffn`` or ``MoE``
 receives DTensors, every rank routes its own tokens and runs the local kernels through
-:func:`torch.distributed.tensor.experimental.local_map`; no token crosses a rank.
+:func:`torch.distributed.tensor.experimental.local_map`; no token crosses a rank. They reach
+this module through the DTensor handlers it registers with :mod:`torch_moe.nn._subclass_hooks`
+(``torch_moe`` imports it as soon as ``torch.distributed.tensor`` is imported).
 
 Per mesh dimension the inputs must be in one of these layouts (anything else raises):
 
@@ -28,7 +30,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
-__all__ = ["MeshPlan", "plan_mesh", "token_parallel_moe_ffn"]
+from torch_moe.nn._subclass_hooks import register_subclass_handlers
+
+__all__ = ["MeshPlan", "plan_mesh", "token_parallel_moe_ffn", "moe_layer_forward"]
 
 R = Replicate()
 # the expert-tensor-parallel layout: the FFN dim F sharded in every expert weight
@@ -130,8 +134,8 @@ def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTenso
 
 def token_parallel_moe_ffn(x: DTensor, topk_ids: DTensor, topk_weights: DTensor, w1: DTensor,
                            w2: DTensor, w3: Optional[DTensor], local_fn: Callable) -> DTensor:
-    """Runs ``local_fn(x, topk_ids, topk_weights, w1, w2, w3)`` (the plain ``moe_ffn``) on every
-    rank's tokens. ``x [T, D]``; ``topk_ids`` / ``topk_weights [T, k]`` sharded like ``x``."""
+    """Runs ``local_fn(x, topk_ids, topk_weights, w1, w2, w3)`` (``moe_ffn`` on plain tensors)
+    on every rank's tokens. ``x [T, D]``; ``topk_ids`` / ``topk_weights [T, k]`` sharded like ``x``."""
     op = "moe_ffn"
     plan = plan_mesh(op, x, w1, w2, w3)
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -167,22 +171,15 @@ class _Bound(torch.nn.Module):
         return getattr(self.moe, self.method)(*args)
 
 
-def _local_value(t: torch.Tensor) -> torch.Tensor:
-    # Under LocalTensorMode (one process simulating every rank) a replicated result is a
-    # LocalTensor holding the same value for each rank; buffers hold plain tensors.
-    from torch.distributed._local_tensor import LocalTensor
-
-    if isinstance(t, LocalTensor):
-        return t._local_tensors[min(t._local_tensors)]
-    return t
-
-
-def moe_layer_forward(moe, x: DTensor) -> DTensor:
+def moe_layer_forward(moe, x: DTensor, return_aux_loss: bool = False) -> DTensor:
     """``MoE.forward`` on a DTensor ``x [B, L, D]`` or ``[T, D]`` with DTensor parameters:
     routing, routed experts and auxiliary losses run on each rank's tokens; shared experts run
     replicated on the tokens of each rank and are added in DTensor land (the routed output is
     Partial over expert-tensor-parallel dims, the shared one is not)."""
     op = "MoE"
+    if return_aux_loss:
+        raise NotImplementedError("MoE: expected return_aux_loss=False for a DTensor input (its "
+                                  "aux losses are attached per shard), but got True")
     c = moe.config
     params = dict(moe.named_parameters())
     expert = {n: params.get(f"experts.{n}") for n in ("w1", "w2", "w3")}
@@ -223,8 +220,9 @@ def moe_layer_forward(moe, x: DTensor) -> DTensor:
         device_mesh=plan.mesh,
     )(x, *(params[n] for n in routed_names))
     if moe.training:
-        moe.record_load(_local_value(counts.full_tensor()),
-                        _local_value(dropped.full_tensor()) if c.capacity_factor is not None else None)
+        # the global counts, replicated: every rank records the same totals (MoE.record_load)
+        moe.record_load(counts.full_tensor(),
+                        dropped.full_tensor() if c.capacity_factor is not None else None)
     if moe.shared_experts is None:
         return y
     shared_names = [n for n in params if n.startswith("shared_experts.")]
@@ -248,3 +246,7 @@ def moe_layer_forward(moe, x: DTensor) -> DTensor:
         device_mesh=plan.mesh,
     )(x, *(params[n] for n in shared_names))
     return y + y_shared
+
+
+# moe_ffn and MoE reach this module through these handlers, never through an import from nn
+register_subclass_handlers(DTensor, moe_ffn=token_parallel_moe_ffn, moe_layer=moe_layer_forward)

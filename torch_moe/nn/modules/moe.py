@@ -23,6 +23,7 @@ from torch import nn, Tensor
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
 from torch_moe.nn import _checks as C
 from torch_moe.nn import functional as F_moe
+from torch_moe.nn._subclass_hooks import subclass_handlers
 from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
 from torch_moe.quantization.ffn import group_alignment, quantized_expert_ffn
 
@@ -352,11 +353,6 @@ def _check_state_dict_dtypes(module, state_dict, prefix, *args) -> None:
                             f"tensor like the {tensor.dtype} it is loaded into, but got {value.dtype}")
 
 
-def _is_dtensor(x: Tensor) -> bool:
-    # without importing torch.distributed in processes that never use it
-    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
-
-
 class _AttachAuxLoss(torch.autograd.Function):
     """Returns ``y`` unchanged; in backward, gives ``aux_loss`` the gradient ``loss_scale``.
 
@@ -482,14 +478,10 @@ class MoE(nn.Module):
         if x.dim() not in (2, 3) or x.size(-1) != c.dim:
             raise ValueError(f"MoE: expected input [B, L, {c.dim}] or [T, {c.dim}], but got "
                              f"{tuple(x.shape)}")
-        if _is_dtensor(x):
-            if return_aux_loss:
-                raise NotImplementedError("MoE: expected return_aux_loss=False for a DTensor input "
-                                          "(its aux losses are attached per shard), but got True")
-            # every rank routes its own tokens (torch_moe.distributed.tensor._token_parallel)
-            from torch_moe.distributed.tensor._token_parallel import moe_layer_forward
-
-            return moe_layer_forward(self, x)
+        handlers = subclass_handlers("MoE", x)
+        if handlers is not None:
+            # the subclass's owner runs the layer (a DTensor: every rank routes its own tokens)
+            return handlers.moe_layer(self, x, return_aux_loss)
         seq_len = x.size(1) if x.dim() == 3 else x.size(0)
         x_TD = x.reshape(-1, c.dim)
         y_TD, counts, dropped, aux_loss = self._routed(x_TD, seq_len, attach=not return_aux_loss)
@@ -551,10 +543,17 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def record_load(self, counts: Tensor, dropped: Optional[Tensor]) -> None:
+        """Adds ``counts [E]`` to :attr:`tokens_per_expert` and ``dropped []`` (if not None) to
+        :attr:`num_dropped`, in training.
+
+        The sums are assigned (``copy_``), not added in place: a sharded layer records the same
+        global counts on every rank, and where ranks share one buffer (ranks simulated in one
+        process) each rank then writes the same total, where in-place adds would count the
+        tokens once per rank."""
         if self.training:
-            self.tokens_per_expert.add_(counts)
+            self.tokens_per_expert.copy_(self.tokens_per_expert + counts)
             if dropped is not None:
-                self.num_dropped.add_(dropped)
+                self.num_dropped.copy_(self.num_dropped + dropped)
 
     def _aux_loss(self, scores, topk_ids, logits, seq_len) -> Optional[Tensor]:
         """The coefficient-weighted sum of the enabled aux losses (None if none is enabled);
