@@ -19,6 +19,7 @@ import torch
 from torch_moe import _checks
 from torch_moe._native._cpu_features import accumulate_dtype, gemm_compute_dtype
 from torch_moe._native.activation import activation_backward, activation_forward
+from torch_moe._native.padded_groups import padded_group_layout
 
 __all__ = [
     "token_sort",
@@ -235,10 +236,8 @@ def token_sort(topk_ids: torch.Tensor, num_experts: int, align: int = 1):
     expert_sorted, order = torch.sort(ids, stable=True)
     if align == 1:
         return order, counts.cumsum(0).to(torch.int32), counts
-    padded = torch.div(counts + (align - 1), align, rounding_mode="floor").mul_(align)
-    ends = padded.cumsum(0)
     # slot of the r-th assignment of expert e: padded_start[e] + r
-    shift = (ends - padded) - (counts.cumsum(0) - counts)
+    ends, shift = padded_group_layout(counts, align)
     dest = torch.arange(n, device=ids.device).add_(shift[expert_sorted])
     sorted_ids = torch.full((S,), -1, dtype=torch.int64, device=ids.device)
     sorted_ids.scatter_(0, dest, order)

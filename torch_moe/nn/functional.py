@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
+from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS, token_sort_num_slots
 from torch_moe._compat import assert_async
 from torch_moe._native.activation import activation as _activation
+from torch_moe._native.padded_groups import padded_group_layout
 from torch_moe.nn import _checks as C
 from torch_moe.nn._subclass_hooks import subclass_handlers
 from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
@@ -385,13 +386,11 @@ def token_sort_with_capacity(
         return sorted_ids, kept.cumsum(0).to(torch.int32), kept, n - kept.sum()
     # Move the i-th kept assignment of expert e from start[e] + i to padded_start[e] + i.
     kept_ends = kept.cumsum(0)
-    padded = torch.div(kept + (align - 1), align, rounding_mode="floor").mul_(align)
-    padded_ends = padded.cumsum(0)
-    shift = (padded_ends - padded) - (kept_ends - kept)
+    padded_ends, shift = padded_group_layout(kept, align)
     pos = torch.arange(n, device=ids.device)
     expert = torch.searchsorted(kept_ends, pos, right=True)  # E for the dropped tail
     is_kept = expert < num_experts
-    S = n + num_experts * (align - 1)
+    S = token_sort_num_slots(n, num_experts, align)
     dest = torch.where(is_kept, pos + shift[expert.clamp(max=num_experts - 1)], S)
     aligned = torch.full((S + 1,), -1, dtype=torch.int64, device=ids.device)
     aligned.scatter_(0, dest, torch.where(is_kept, sorted_ids, -1))
@@ -413,7 +412,7 @@ def _check_token_sort_with_capacity(topk_ids, topk_weights, num_experts, capacit
     C.check_float_tensor(fn, "topk_weights", topk_weights)
     C.check_shape(fn, "topk_weights", topk_weights, topk_ids.shape, "the shape of topk_ids")
     C.check_same_device(fn, "topk_weights", topk_weights, "topk_ids", topk_ids)
-    slots = topk_ids.numel() + num_experts * (align - 1)
+    slots = token_sort_num_slots(topk_ids.numel(), num_experts, align)
     if slots > C.MAX_SLOTS:
         raise ValueError(f"{fn}: expected T * k + num_experts * (align - 1) sorted slots to fit the "
                          f"int32 offs (<= {C.MAX_SLOTS}), but got {slots} with num_experts="
