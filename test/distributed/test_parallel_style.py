@@ -17,7 +17,7 @@ gradients divided by the number of data-parallel token sets: the mean DDP and FS
   non-gated, with shared experts, and the per-rank ``tokens_per_expert``; with the
   dispatcher's ``dedup`` / ``num_chunks`` options when it has them;
 * ``ExpertTensorParallel`` on a 2 x 2 ``(ep, tp)`` mesh behind tensor-parallel attention
-  (``ColwiseParallel`` / ``RowwiseParallel``);
+  (``ColwiseParallel`` / ``RowwiseParallel``), and on a 2 x 2 mesh without dim names;
 * ``TensorParallelExperts`` at TP=4;
 * ``ExpertParallel`` with FSDP2 as the style module documents it, with FSDP's default
   gradient division (and with the gloo recipe's forced SUM reductions), at
@@ -162,7 +162,11 @@ class TestParallelStyle(DTensorOpTestBase):
                 ref = copy.deepcopy(moe)
                 module = moe if target == "moe" else moe.experts
                 self.assertIs(parallelize_module(module, mesh, style()), module)
-                self.assertIsNotNone(moe.experts._dispatch)
+                # distribute_module partitions the weights and installs the style's hooks; the
+                # expert-parallel styles also hand the experts the dispatcher (MoE then passes
+                # them the router's topk_ids), tensor parallelism runs them on DTensors
+                self.assertTrue(getattr(moe.experts, "_distribute_module_applied", False))
+                self.assertEqual(moe.experts._dispatch is None, style is TensorParallelExperts)
                 self.assertNotIsInstance(moe.router.weight, DTensor)
                 for name in ("w1", "w2", "w3"):
                     with self.subTest(style=style.__name__, target=target, weight=name):
@@ -235,6 +239,15 @@ class TestParallelStyle(DTensorOpTestBase):
         # the same ones. Attention and router are data parallel over ep.
         self._compare(model, ref, lambda r: r // 2, [r // 2 for r in ep_ranks],
                       mesh["ep"].get_group())
+
+    def test_expert_tensor_parallel_unnamed_mesh(self):
+        # a 2-D mesh without dim names: the tp groups come from the mesh's process groups
+        mesh = init_device_mesh("cpu", (2, 2))
+        moe = make_moe(num_shared_experts=1)
+        ref = copy.deepcopy(moe)
+        parallelize_module(moe, mesh, ExpertTensorParallel())
+        ep_ranks = mesh.mesh[:, mesh.get_coordinate()[1]].tolist()
+        self._compare(moe, ref, lambda r: r // 2, [r // 2 for r in ep_ranks], mesh.get_group(0))
 
     def _fsdp_expert_parallel(self, edp: int, ep: int, force_sum: bool):
         """The documented recipe without tensor parallelism, with FSDP's default gradient

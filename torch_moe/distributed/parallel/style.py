@@ -15,11 +15,17 @@ FFN dim, E experts, k experts per token. Expert weights: ``w1, w3 [E, D, F]``, `
 A style applies to a :class:`~torch_moe.nn.GroupedExperts` or to a :class:`~torch_moe.nn.MoE`
 (then to its ``experts``; router and shared experts stay plain, replicated modules). The layer
 keeps taking and returning plain ``torch.Tensor`` s: each rank passes its own tokens and gets
-their outputs. The style distributes the expert weights as DTensors and installs
-``GroupedExperts._dispatch``, through which :meth:`MoE.routed_forward` hands the router's
-``topk_ids`` to the experts (expert parallelism must know each token's expert, not a locally
-sorted order). The forward runs on the local shards (``DTensor.to_local()``), so every weight
-gradient is a DTensor placed like its weight.
+their outputs. Like torch's own styles, each is a
+:func:`~torch.distributed.tensor.distribute_module` of the experts: its partition function
+distributes the expert weights as DTensors, and its input and output functions (forward pre-
+and post-hooks) move the tensor-parallel boundary: the inputs replicated over ``tp`` with
+their gradients summed over it, the partial outputs summed over it, with functional
+collectives. The expert-parallel styles also install ``GroupedExperts._dispatch``, through
+which :meth:`MoE.routed_forward` hands the router's ``topk_ids`` to the experts (expert
+parallelism must know each token's expert, not a locally sorted order); it runs on the local
+shards (``DTensor.to_local()``). :class:`TensorParallelExperts` runs the experts on DTensors,
+through the sharding strategies of the ops. Either way every weight gradient is a DTensor
+placed like its weight.
 
 The ``ep`` ranks hold different tokens: they are data parallel, and gradients follow the
 data-parallel convention of DDP and FSDP, the mean over the token sets of the data-parallel
@@ -96,14 +102,21 @@ import inspect
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn, Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor, DTensor, Shard
+from torch.distributed.tensor import (
+    distribute_module,
+    distribute_tensor,
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+)
 from torch.distributed.tensor.parallel import ParallelStyle
 
+# the sharding strategies of torch_moe's ops, which TensorParallelExperts runs on DTensors
+import torch_moe.distributed.tensor  # noqa: F401
 from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
-from torch_moe.nn import functional as F_moe
 from torch_moe.nn.modules.moe import GroupedExperts, MoE
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
@@ -111,44 +124,9 @@ __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
 _WEIGHTS = ("w1", "w2", "w3")
 # the FFN dim F of each weight: w1/w3 [E, D, F], w2 [E, F, D]
 _FFN_DIM = {"w1": 2, "w2": 1, "w3": 2}
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``group``.
-
-    The input is replicated over the tensor-parallel ranks and each rank uses it with its own
-    shard of F, so each rank's gradient is the share of its shard: the input's gradient is the
-    sum over ranks.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Forward all-reduces (sums) the partial outputs over ``group``; identity backward.
-
-    The sum is replicated, so the (replicated) gradient of each rank's partial output is the
-    gradient of the sum.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
+# GroupedExperts.forward(x [T, D], sorted_ids, offs, topk_weights [T, k], topk_ids=None): the
+# positional inputs whose gradients are partial sums over the F shards of tensor parallelism
+_X, _TOPK_WEIGHTS = 0, 3
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -164,13 +142,10 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _local(w: Optional[Tensor]) -> Optional[Tensor]:
-    # to_local() is differentiable: the gradient of the shard lands on the DTensor parameter
-    return w.to_local() if isinstance(w, DTensor) else w
-
-
 def _local_expert_shard(w: Optional[Tensor], ep_degree: int) -> Optional[Tensor]:
-    """The local shard of an expert weight, its gradient averaged over the ``ep_degree`` ranks.
+    """The local shard of an expert weight (``to_local()`` is differentiable: the gradient of
+    the shard lands on the DTensor parameter), its gradient averaged over the ``ep_degree``
+    ranks.
 
     The dispatcher's backward sums into this shard the gradients from the tokens of all
     ``ep_degree`` ranks of the group, which are data-parallel ranks: ``ep_degree`` times their
@@ -178,73 +153,50 @@ def _local_expert_shard(w: Optional[Tensor], ep_degree: int) -> Optional[Tensor]
     the same experts (FSDP over ``edp``), the plain parameters over ``edp x ep``; the factor
     ``1 / ep_degree`` makes both the mean over every data-parallel rank's tokens.
     """
-    w = _local(w)
-    if w is None or ep_degree == 1:
-        return w
-    return _ScaleGradient.apply(w, 1.0 / ep_degree)
+    if w is None:
+        return None
+    w = w.to_local() if isinstance(w, DTensor) else w
+    return w if ep_degree == 1 else _ScaleGradient.apply(w, 1.0 / ep_degree)
 
 
-class _ExpertStyle(ParallelStyle):
-    """Shared parallelize-time logic: the module, the mesh, the config, the weights."""
+def _submesh(mesh: DeviceMesh, dim: int) -> DeviceMesh:
+    """The 1-D mesh of dim ``dim`` of ``mesh`` through this rank."""
+    names = mesh.mesh_dim_names
+    if names is not None:
+        return mesh[names[dim]]
+    return DeviceMesh.from_group(mesh.get_group(dim), mesh.device_type)
 
-    _mesh_ndim: int = 1
 
-    def _placements(self, name: str) -> list:
-        raise NotImplementedError
+def _copy_to_tensor_parallel(inputs: tuple, tp_mesh: DeviceMesh, use_local_output: bool):
+    """The inputs of the experts, replicated over ``tp_mesh``, with gradients summed over it.
 
-    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
-        raise NotImplementedError
+    ``x`` and ``topk_weights`` are the same on every ``tp`` rank, and each rank uses them with
+    its own slice of F: the gradient of each is the sum of the ranks' shares. As DTensors
+    (``use_local_output=False``: the experts run on DTensors) they are ``Replicate`` and the
+    sharding strategies make their gradients ``Partial``; as local tensors they say so with
+    ``grad_placements``. Either way the backward of ``from_local`` reduces the gradient to
+    ``Replicate``: an all-reduce with functional collectives. The other inputs (the sort of
+    the tokens, or None) are index maps without gradient.
+    """
+    out = list(inputs)
+    for i, t in enumerate(inputs):
+        if not isinstance(t, Tensor) or isinstance(t, DTensor):
+            continue
+        if use_local_output and i not in (_X, _TOPK_WEIGHTS):
+            continue  # the dispatcher sorts the tokens itself
+        t = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+        out[i] = t.to_local(grad_placements=[Partial()]) if use_local_output else t
+    return tuple(out)
 
-    def _run(self, experts: GroupedExperts, mesh: DeviceMesh, x: Tensor, topk_ids: Tensor,
-             topk_weights: Tensor) -> Tensor:
-        raise NotImplementedError
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        name = type(self).__name__
-        if isinstance(module, MoE):
-            experts = module.experts
-        elif isinstance(module, GroupedExperts):
-            experts = module
-        else:
-            raise ValueError(
-                f"{name}: expected a torch_moe MoE or GroupedExperts module, but got "
-                f"{type(module).__name__}"
-            )
-        if experts._dispatch is not None or any(
-            isinstance(p, DTensor) for p in experts.parameters()
-        ):
-            raise ValueError(
-                f"{name}: the experts are already parallelized (their weights are DTensors or "
-                "a dispatch is installed); parallelize a module once"
-            )
-        if device_mesh.ndim != self._mesh_ndim:
-            raise ValueError(
-                f"{name}: expected a {self._mesh_ndim}-D device mesh, but got a "
-                f"{device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}"
-            )
-        c = experts.config
-        if c.precision != "bf16":
-            raise NotImplementedError(
-                f"{name}: expected precision='bf16' (plain expert GEMMs in the weights' dtype), "
-                f"but got precision={c.precision!r}"
-            )
-        if c.capacity_factor is not None:
-            raise NotImplementedError(
-                f"{name}: parallelized experts are dropless: expected capacity_factor=None, but "
-                f"got {c.capacity_factor} (the dispatcher's own capacity, per pair of ranks, is "
-                "a dispatch option of the expert-parallel styles)"
-            )
-        self._check_sizes(experts, device_mesh)
-        for w in _WEIGHTS:
-            param = getattr(experts, w)
-            if param is None:
-                continue
-            dparam = distribute_tensor(param, device_mesh, self._placements(w),
-                                       src_data_rank=self.src_data_rank)
-            experts.register_parameter(w, nn.Parameter(dparam, requires_grad=param.requires_grad))
-        # the callable reads the parameters at call time: fully_shard swaps them in and out
-        experts._dispatch = functools.partial(self._run, experts, device_mesh)
-        return module
+def _reduce_from_tensor_parallel(y: Tensor, tp_mesh: DeviceMesh) -> Tensor:
+    """The experts' output ``y [T, D]``, a partial sum over the F shards of ``tp_mesh`` (a
+    ``Partial`` DTensor, or its local tensor), summed over it: a functional all-reduce, which
+    waits on first use. The sum is replicated, so the gradient of every rank's partial output
+    is the gradient of the sum, unchanged."""
+    if not isinstance(y, DTensor):
+        y = DTensor.from_local(y, tp_mesh, [Partial()], run_check=False)
+    return y.redistribute(tp_mesh, [Replicate()], async_op=True).to_local()
 
 
 def _check_divides(name: str, what: str, size: int, mesh_what: str, degree: int) -> None:
@@ -273,7 +225,127 @@ def _check_dispatch_options(name: str, options: dict) -> dict:
     return dict(options)
 
 
-class ExpertParallel(_ExpertStyle):
+class _ExpertStyle(ParallelStyle):
+    """What the expert styles share: the checks at parallelize time, the partition of the
+    weights and :func:`~torch.distributed.tensor.distribute_module` with the style's input and
+    output functions. A style names its mesh rank, its placements and its hooks."""
+
+    _mesh_ndim: int = 1
+
+    def _placements(self, name: str) -> list:
+        raise NotImplementedError
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        raise NotImplementedError
+
+    def _input_fn(self, mesh: DeviceMesh):
+        """``input_fn`` of :func:`distribute_module`, or None."""
+        return None
+
+    def _output_fn(self, mesh: DeviceMesh):
+        """``output_fn`` of :func:`distribute_module`, or None."""
+        return None
+
+    def _install_dispatch(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        """Hands the experts a dispatcher of their own (the expert-parallel styles)."""
+
+    def _partition_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not isinstance(module, GroupedExperts):
+            return
+        for w in _WEIGHTS:
+            param = getattr(module, w)
+            if param is None:
+                continue
+            dparam = distribute_tensor(param, device_mesh, self._placements(w),
+                                       src_data_rank=self.src_data_rank)
+            module.register_parameter(w, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        experts = self._experts_of(module)
+        self._check(experts, device_mesh)
+        distribute_module(experts, device_mesh, self._partition_fn,
+                          self._input_fn(device_mesh), self._output_fn(device_mesh))
+        self._install_dispatch(experts, device_mesh)
+        return module
+
+    def _experts_of(self, module: nn.Module) -> GroupedExperts:
+        if isinstance(module, MoE):
+            return module.experts
+        if isinstance(module, GroupedExperts):
+            return module
+        raise ValueError(f"{type(self).__name__}: expected a torch_moe MoE or GroupedExperts "
+                         f"module, but got {type(module).__name__}")
+
+    def _check(self, experts: GroupedExperts, device_mesh: DeviceMesh) -> None:
+        name = type(self).__name__
+        if experts._dispatch is not None or any(
+            isinstance(p, DTensor) for p in experts.parameters()
+        ):
+            raise ValueError(
+                f"{name}: the experts are already parallelized (their weights are DTensors or "
+                "a dispatch is installed); parallelize a module once"
+            )
+        if device_mesh.ndim != self._mesh_ndim:
+            raise ValueError(
+                f"{name}: expected a {self._mesh_ndim}-D device mesh, but got a "
+                f"{device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}"
+            )
+        c = experts.config
+        if c.precision != "bf16":
+            raise NotImplementedError(
+                f"{name}: expected precision='bf16' (plain expert GEMMs in the weights' dtype), "
+                f"but got precision={c.precision!r}"
+            )
+        if c.capacity_factor is not None:
+            raise NotImplementedError(
+                f"{name}: parallelized experts are dropless: expected capacity_factor=None, but "
+                f"got {c.capacity_factor} (the dispatcher's own capacity, per pair of ranks, is "
+                "a dispatch option of the expert-parallel styles)"
+            )
+        self._check_sizes(experts, device_mesh)
+
+    def __repr__(self) -> str:
+        options = getattr(self, "dispatch_options", None)
+        return f"{type(self).__name__}({'' if options is None else f'dispatch_options={options}'})"
+
+
+class _DispatchingStyle(_ExpertStyle):
+    """The expert-parallel styles: experts sharded on mesh dim 0 (``ep``), tokens moved to them
+    and back by :func:`~torch_moe.distributed.dispatch.expert_parallel_moe_ffn`.
+
+    The dispatcher needs every token's experts, which the module's inputs (a local token sort)
+    do not carry: :meth:`MoE.routed_forward` hands the router's ``topk_ids`` to experts that
+    have a ``GroupedExperts._dispatch``, which this style installs; it reads the parameters at
+    call time (``fully_shard`` swaps them in and out) and runs on their local shards.
+    """
+
+    def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
+        super().__init__()
+        self.dispatch_options = _check_dispatch_options(
+            type(self).__name__, {} if dispatch_options is None else dispatch_options)
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        what = "expert-parallel" if mesh.ndim == 1 else "expert-parallel (mesh dim 0)"
+        _check_divides(type(self).__name__, "num_experts", experts.config.num_experts, what,
+                       mesh.size(0))
+
+    def _install_dispatch(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        experts._dispatch = functools.partial(self._dispatch, experts, mesh.get_group(0),
+                                              mesh.size(0))
+
+    def _dispatch(self, experts: GroupedExperts, ep_group, ep_degree: int, x: Tensor,
+                  topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        c = experts.config
+        w1 = experts.w1
+        return expert_parallel_moe_ffn(
+            x.to(w1.dtype), topk_ids, topk_weights, _local_expert_shard(w1, ep_degree),
+            _local_expert_shard(experts.w2, ep_degree), _local_expert_shard(experts.w3, ep_degree),
+            num_experts=c.num_experts, group=ep_group, activation=c.activation,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.dispatch_options,
+        )
+
+
+class ExpertParallel(_DispatchingStyle):
     """Shard the experts on the expert dim over a 1-D expert-parallel mesh.
 
     Rank ``r`` of the ``R`` ranks holds experts ``r * E / R ... (r + 1) * E / R - 1``: every
@@ -299,35 +371,11 @@ class ExpertParallel(_ExpertStyle):
         >>> y = moe(x)  # x: this rank's tokens [B, L, 1024]
     """
 
-    def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
-        super().__init__()
-        self.dispatch_options = _check_dispatch_options(
-            type(self).__name__, {} if dispatch_options is None else dispatch_options)
-
     def _placements(self, name: str) -> list:
         return [Shard(0)]
 
-    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
-        _check_divides(type(self).__name__, "num_experts", experts.config.num_experts,
-                       "expert-parallel", mesh.size())
 
-    def _run(self, experts, mesh, x, topk_ids, topk_weights):
-        c = experts.config
-        w1 = experts.w1
-        ep = mesh.size()
-        return expert_parallel_moe_ffn(
-            x.to(w1.dtype), topk_ids, topk_weights, _local_expert_shard(w1, ep),
-            _local_expert_shard(experts.w2, ep), _local_expert_shard(experts.w3, ep),
-            num_experts=c.num_experts, group=mesh.get_group(),
-            activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
-            **self.dispatch_options,
-        )
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(dispatch_options={self.dispatch_options})"
-
-
-class ExpertTensorParallel(_ExpertStyle):
+class ExpertTensorParallel(_DispatchingStyle):
     """Expert parallel on mesh dim 0 (``ep``) with the FFN dim of every expert sharded on mesh
     dim 1 (``tp``): EP x TP on a 2-D mesh, e.g. ``mesh["ep", "tp"]``.
 
@@ -335,9 +383,10 @@ class ExpertTensorParallel(_ExpertStyle):
     a ``tp`` group hold the same tokens (the output of tensor-parallel attention is replicated
     over ``tp``) and the same experts, each a slice of F. Every rank dispatches its tokens over
     its ``ep`` group, as in :class:`ExpertParallel`, to F-slices of the experts; the expert
-    outputs are then partial sums over F, added up by an all-reduce over ``tp``. In the
-    backward, the gradients of the tokens and of the routing weights are all-reduced over
-    ``tp`` (each F-slice contributes its share), so the router sees the full gradient.
+    outputs are then partial sums over F, added up by an all-reduce over ``tp`` (the output
+    function). In the backward, the gradients of the tokens and of the routing weights are
+    all-reduced over ``tp`` (the input function: each F-slice contributes its share), so the
+    router sees the full gradient. Both are functional collectives.
 
     Keyword Args:
         dispatch_options (dict, optional): as in :class:`ExpertParallel`.
@@ -345,38 +394,21 @@ class ExpertTensorParallel(_ExpertStyle):
 
     _mesh_ndim = 2
 
-    def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
-        super().__init__()
-        self.dispatch_options = _check_dispatch_options(
-            type(self).__name__, {} if dispatch_options is None else dispatch_options)
-
     def _placements(self, name: str) -> list:
         return [Shard(0), Shard(_FFN_DIM[name])]
 
     def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
-        name = type(self).__name__
-        _check_divides(name, "num_experts", experts.config.num_experts, "expert-parallel (mesh "
-                       "dim 0)", mesh.size(0))
-        _check_divides(name, "hidden_dim", experts.config.hidden_dim, "tensor-parallel (mesh "
-                       "dim 1)", mesh.size(1))
+        super()._check_sizes(experts, mesh)
+        _check_divides(type(self).__name__, "hidden_dim", experts.config.hidden_dim,
+                       "tensor-parallel (mesh dim 1)", mesh.size(1))
 
-    def _run(self, experts, mesh, x, topk_ids, topk_weights):
-        c = experts.config
-        w1 = experts.w1
-        tp_group = mesh.get_group(1)
-        x = _CopyToTensorParallel.apply(x.to(w1.dtype), tp_group)
-        topk_weights = _CopyToTensorParallel.apply(topk_weights, tp_group)
-        ep = mesh.size(0)
-        partial_y = expert_parallel_moe_ffn(
-            x, topk_ids, topk_weights, _local_expert_shard(w1, ep),
-            _local_expert_shard(experts.w2, ep), _local_expert_shard(experts.w3, ep),
-            num_experts=c.num_experts, group=mesh.get_group(0), activation=c.activation,
-            alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.dispatch_options,
-        )
-        return _ReduceFromTensorParallel.apply(partial_y, tp_group)
+    def _input_fn(self, mesh: DeviceMesh):
+        tp_mesh = _submesh(mesh, 1)
+        return lambda mod, inputs, device_mesh: _copy_to_tensor_parallel(inputs, tp_mesh, True)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(dispatch_options={self.dispatch_options})"
+    def _output_fn(self, mesh: DeviceMesh):
+        tp_mesh = _submesh(mesh, 1)
+        return lambda mod, y, device_mesh: _reduce_from_tensor_parallel(y, tp_mesh)
 
 
 class TensorParallelExperts(_ExpertStyle):
@@ -386,8 +418,11 @@ class TensorParallelExperts(_ExpertStyle):
     ``Shard(2)``, w2 row-wise ``Shard(1)``), all experts on every rank. It is
     :class:`ExpertTensorParallel` with an expert-parallel degree of one, without the all-to-all:
     every rank runs all E experts on all its tokens (the same tokens on every ``tp`` rank)
-    with its slice of F, and the partial outputs are summed by an all-reduce over ``tp``; the
-    gradients of the tokens and routing weights are all-reduced in the backward.
+    with its slice of F. The experts run on DTensors, as ``ColwiseParallel`` and
+    ``RowwiseParallel`` run ``nn.Linear``: the input function makes the tokens, their sort and
+    routing weights ``Replicate``, the sharding strategy of ``grouped_ffn`` makes the output
+    ``Partial``, and the output function sums it over ``tp`` into a local tensor; the gradients
+    of the tokens and routing weights are summed over ``tp`` in the backward.
     """
 
     def _placements(self, name: str) -> list:
@@ -397,17 +432,9 @@ class TensorParallelExperts(_ExpertStyle):
         _check_divides(type(self).__name__, "hidden_dim", experts.config.hidden_dim,
                        "tensor-parallel", mesh.size())
 
-    def _run(self, experts, mesh, x, topk_ids, topk_weights):
-        c = experts.config
-        w1 = experts.w1
-        tp_group = mesh.get_group()
-        x = _CopyToTensorParallel.apply(x.to(w1.dtype), tp_group)
-        topk_weights = _CopyToTensorParallel.apply(topk_weights, tp_group)
-        partial_y = F_moe.moe_ffn(
-            x, topk_ids, topk_weights, _local(w1), _local(experts.w2), _local(experts.w3),
-            activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
-        )
-        return _ReduceFromTensorParallel.apply(partial_y, tp_group)
+    def _input_fn(self, mesh: DeviceMesh):
+        return lambda mod, inputs, device_mesh: _copy_to_tensor_parallel(inputs, device_mesh,
+                                                                         False)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+    def _output_fn(self, mesh: DeviceMesh):
+        return lambda mod, y, device_mesh: _reduce_from_tensor_parallel(y, device_mesh)
