@@ -14,6 +14,8 @@ from torch_moe.quantization._formats import BLOCK_SIZE, ELEM_DTYPES, SCALE_MODES
 # bf16 and fp16 are exact in fp32, so quantizing them never rounds twice; fp64 would.
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RECIPES = ("fp8_rowwise", "mxfp8")
+# the precisions of the expert GEMMs; "bf16": no quantization, GEMMs in the parameters' dtype
+PRECISIONS = ("bf16",) + RECIPES
 # Group sizes of a grouped GEMM must be multiples of these (blocks never straddle groups).
 GROUP_ALIGNMENT = {"fp8_rowwise": 16, "mxfp8": BLOCK_SIZE}
 
