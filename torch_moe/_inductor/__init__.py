@@ -1,8 +1,10 @@
 """Inductor support for the torch_moe ops (counterpart of ``torch/_inductor/``).
 
-* ``lowering.py``: lowerings of the grouped GEMMs that offer ``autotune_select_algorithm``
-  choices (the torch_moe kernel as an extern choice everywhere; on CUDA with SM90+ also aten's
-  persistent Triton grouped-GEMM template);
+* ``lowering.py``: lowerings of the grouped GEMMs. Under ``mode="max-autotune"`` on CPU,
+  ``grouped_mm`` of ``[M, K] x [G, K, N]`` lets ``autotune_select_algorithm`` pick between two
+  extern kernels, one GEMM per group and one padded ``bmm`` over all groups
+  (``padded_bmm.py``); every other call is one extern call of the op's kernel, with no
+  autotuning and no template;
 * ``decomposition.py``: decompositions of the routing, permutation and quantize ops into ATen
   ops that Inductor fuses (e.g. the routing softmax, top-k and expert histogram in one C++
   kernel; the activation and the MXFP8 quantizer of the next GEMM in one).
@@ -11,6 +13,7 @@ They must be registered before the first compile (Inductor caches its decomposit
 first use), but importing Inductor costs seconds that eager users should not pay. So
 ``import torch_moe`` registers them at once if Inductor is already loaded, and otherwise when
 ``torch._inductor.lowering`` is first imported (:mod:`torch_moe._inductor._import_hook`).
+Inductor and Dynamo are reached through one adapter, :mod:`torch_moe._inductor._compat`.
 
 Registering also adds a hash of torch_moe's sources to ``torch.compiler.config.cache_key_tag``.
 The decompositions are traced into the compiled graphs, but the AOTAutograd cache keys a graph
@@ -21,9 +24,10 @@ they computed. A tag set after ``import torch_moe`` replaces this one; append to
 
 import hashlib
 import pathlib
-import sys
 
 import torch
+
+from torch_moe._inductor import _compat as inductor
 
 _registered = False
 
@@ -57,9 +61,9 @@ def register() -> None:
 
 def install() -> None:
     """Called by ``import torch_moe``: register now, or when Inductor's lowering module loads."""
-    if "torch._inductor.lowering" in sys.modules:
+    if inductor.lowering_module_loaded():
         register()
     else:
         from torch_moe._inductor._import_hook import call_after_import
 
-        call_after_import("torch._inductor.lowering", register)
+        call_after_import(inductor.LOWERING_MODULE, register)

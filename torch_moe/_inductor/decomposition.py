@@ -18,10 +18,10 @@ fallbacks in ``lowering.py``).
 
 import torch
 import torch.nn.functional as F
-from torch._inductor.decomposition import register_decomposition
 
 from torch_moe import _checks
 from torch_moe._compat import assert_async
+from torch_moe._inductor._compat import register_decomposition
 from torch_moe._native._cpu_features import accumulate_dtype
 from torch_moe.quantization import _grouped_mm as QG
 from torch_moe.quantization import _quantize as Q
