@@ -2,7 +2,6 @@
 """Tests of ``torch_moe.nn.functional.moe_ffn``: what it saves for backward, its weight layouts,
 its CPU compute paths, and how it composes with autograd and tracing."""
 
-import os
 from unittest import mock
 
 import torch
@@ -81,19 +80,16 @@ class TestMoEFFN(TestCase):
     @parametrize("native", [False, True])
     def test_low_precision_compute_paths(self, native):
         # bf16 GEMMs either run natively or in fp32; both agree with the fp64 reference
-        key = "TORCH_MOE_CPU_NATIVE_LOW_PRECISION_GEMM"
-        with mock.patch.dict(os.environ, {key: "1" if native else "0"}):
-            _cpu_features._native_reduced_precision_gemm.cache_clear()
-            try:
-                self.assertEqual(
-                    _cpu_features.gemm_compute_dtype(torch.bfloat16),
-                    torch.bfloat16 if native else torch.float32,
-                )
-                x, ids, w, w1, w2, w3 = make_layer(dtype=torch.bfloat16)
-                out = moe_ffn(x, ids, w, w1, w2, w3)
-                grads = torch.autograd.grad(out, (x, w, w1, w2, w3), torch.ones_like(out))
-            finally:
-                _cpu_features._native_reduced_precision_gemm.cache_clear()
+        # (the CPU's answer to the probe replaced by each of the two answers)
+        dtypes = frozenset((torch.bfloat16, torch.float16)) if native else frozenset()
+        with mock.patch.object(_cpu_features, "mkldnn_native_gemm_dtypes", return_value=dtypes):
+            self.assertEqual(
+                _cpu_features.gemm_compute_dtype(torch.bfloat16),
+                torch.bfloat16 if native else torch.float32,
+            )
+            x, ids, w, w1, w2, w3 = make_layer(dtype=torch.bfloat16)
+            out = moe_ffn(x, ids, w, w1, w2, w3)
+            grads = torch.autograd.grad(out, (x, w, w1, w2, w3), torch.ones_like(out))
         leaves = [t.detach().double().requires_grad_() for t in (x, w, w1, w2, w3)]
         ref = _refs.moe_ffn(leaves[0], ids, *leaves[1:4], leaves[4])
         ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref))

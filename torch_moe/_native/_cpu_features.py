@@ -6,9 +6,6 @@ scalar path about a hundred times slower than fp32 GEMM; there the kernels conve
 fp32, which is also what a native bf16 GEMM accumulates in, so results only get more accurate.
 """
 
-import functools
-import os
-
 import torch
 
 from torch_moe._compat import mkldnn_native_gemm_dtypes
@@ -16,17 +13,9 @@ from torch_moe._compat import mkldnn_native_gemm_dtypes
 __all__ = ["gemm_compute_dtype"]
 
 
-@functools.cache
-def _native_reduced_precision_gemm() -> frozenset:
-    forced = os.environ.get("TORCH_MOE_CPU_NATIVE_LOW_PRECISION_GEMM")
-    if forced is not None:
-        return frozenset((torch.bfloat16, torch.float16)) if forced == "1" else frozenset()
-    return mkldnn_native_gemm_dtypes()
-
-
 def gemm_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype in which a CPU GEMM on ``dtype`` operands is computed."""
-    if dtype in (torch.float32, torch.float64) or dtype in _native_reduced_precision_gemm():
+    if dtype in (torch.float32, torch.float64) or dtype in mkldnn_native_gemm_dtypes():
         return dtype
     return torch.float32
 
