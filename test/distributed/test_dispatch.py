@@ -606,7 +606,8 @@ class TestCapacityModeHasNoDataDependentShapes(_Base):
         layer = dispatch._Layer.of(x[mine], ids[mine], num_experts=E, group=dist.group.WORLD,
                                    activation="swiglu", alpha=1.702, limit=7.0, dedup=True,
                                    num_chunks=2, capacity_factor=8.0)
-        splits = dispatch._exchange_header(layer, dispatch._plan_rows(ids[mine], layer))
+        plan = dispatch._plan_rows(ids[mine], layer)
+        splits = dispatch._exchange_header(layer, plan.rows_per_dest_Rn, plan.id_flags)
 
         def capacity_math(x, topk_ids, topk_weights, w1, w2, w3):
             plan = dispatch._plan_rows(topk_ids, layer)

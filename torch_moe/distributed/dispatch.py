@@ -103,24 +103,25 @@ tensors; the ParallelStyles of :mod:`torch_moe.distributed.parallel` wrap this f
 
 from __future__ import annotations
 
-import math
-import numbers
-import struct
 import threading
-from dataclasses import dataclass
-from typing import NamedTuple, NoReturn, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
-from torch_moe._compat import assert_async
 from torch_moe.distributed._compat import (
     all_to_all_single,
     all_to_all_single_autograd,
-    object_collective_device,
     wait_tensor,
+)
+from torch_moe.distributed._dispatch_checks import _local_check_error, _resolve_group
+from torch_moe.distributed._dispatch_header import (
+    _exchange_header,
+    _header_device,
+    _Layer,
+    _raise_with_the_group,
+    _Splits,
 )
 
 __all__ = [
@@ -128,8 +129,6 @@ __all__ = [
     "read_dispatch_counters",
     "reset_dispatch_counters",
 ]
-
-_FN = "expert_parallel_moe_ffn"
 
 _SCALAR_COUNTERS = (
     "calls",
@@ -173,260 +172,6 @@ def _count(name: str, value, device, shape=()) -> None:
 _ID_DTYPE = torch.int32
 _WEIGHT_DTYPE = torch.float32
 
-# The header exchange has a fixed width, so that ranks disagreeing on num_chunks still pair up
-# in it; it carries one column per chunk, hence the bound.
-_MAX_CHUNKS = 16
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One call as every rank of the group must see it (the signature), and this rank's place."""
-
-    group: dist.ProcessGroup
-    R: int  # ranks of the group
-    rank: int
-    num_experts: int
-    G: int  # experts per rank
-    D: int
-    k: int
-    W: int  # (local expert id, weight) pairs per row
-    dtype: torch.dtype
-    dedup: bool
-    num_chunks: int
-    capacity_factor: Optional[float]
-    activation: str
-    alpha: float
-    limit: float
-    spans: tuple  # ((start, end), ...): the tokens of every chunk
-
-    @classmethod
-    def of(cls, x: Tensor, topk_ids: Tensor, *, num_experts: int, group, activation: str,
-           alpha: float, limit: float, dedup: bool, num_chunks: int,
-           capacity_factor: Optional[float]) -> "_Layer":
-        group = group if group is not None else dist.group.WORLD
-        R = dist.get_world_size(group)
-        G = num_experts // R
-        T, k = topk_ids.shape
-        bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
-        return cls(group, R, dist.get_rank(group), num_experts, G, x.size(1), k,
-                   min(k, G) if dedup else 1, x.dtype, dedup, num_chunks,
-                   None if capacity_factor is None else float(capacity_factor), activation,
-                   float(alpha), float(limit), tuple(zip(bounds[:-1], bounds[1:])))
-
-    def capacity(self, num_tokens: int) -> int:
-        """Rows per destination of a chunk of ``num_tokens`` tokens in capacity mode:
-        ``ceil(c * T_chunk * k / R)``, at most the rows such a chunk can have for one destination
-        (``T_chunk`` with dedup, ``T_chunk * k`` without) and at least 1."""
-        most = num_tokens if self.dedup else num_tokens * self.k
-        wanted = min(float(most), self.capacity_factor * num_tokens * self.k / self.R)
-        return max(1, math.ceil(wanted))
-
-
-# ---------------------------------------------------------------------------------------------
-# Step 2, header exchange: the layer signature, argument errors and split sizes of every rank
-# ---------------------------------------------------------------------------------------------
-
-
-def _float_code(v: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", v))[0]
-
-
-def _float_of(code: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", code))[0]
-
-
-# The layer signature: (name in errors, code of a layer, the value a code stands for). A
-# capacity_factor of None is coded 0 (the code of 0.0, which is not a valid factor).
-_SIGNATURE = (
-    ("num_experts", lambda L: L.num_experts, int),
-    ("x.size(1)", lambda L: L.D, int),
-    ("x.dtype", lambda L: _DTYPES.index(L.dtype), lambda c: _DTYPES[c]),
-    ("num_chunks", lambda L: L.num_chunks, int),
-    ("capacity_factor", lambda L: _float_code(L.capacity_factor or 0.0),
-     lambda c: _float_of(c) or None),
-    ("dedup", lambda L: int(L.dedup), bool),
-    ("pairs per row W (min(k, num_experts / R) with dedup, else 1)", lambda L: L.W, int),
-    ("activation", lambda L: ACTIVATIONS.index(L.activation), lambda c: ACTIVATIONS[c]),
-    ("alpha", lambda L: _float_code(L.alpha), _float_of),
-    ("limit", lambda L: _float_code(L.limit), _float_of),
-)
-_S = len(_SIGNATURE)
-# A header row: the signature; the sender's argument error (the code of its type in
-# _ERROR_TYPES, 0 when its arguments passed the local checks, and the length of its message in
-# bytes); one column per chunk; then the flags of the ids.
-_ERROR_TYPE, _ERROR_BYTES = _S, _S + 1
-_CHUNK = _S + 2
-_OUT_OF_RANGE, _REPEATED = _CHUNK + _MAX_CHUNKS, _CHUNK + _MAX_CHUNKS + 1
-_WIDTH = _REPEATED + 1
-_ERROR_TYPES = (None, ValueError, TypeError)
-# the other ranks receive at most this many characters of a failing rank's message
-_MAX_MESSAGE = 1000
-
-
-def _check_signatures(signatures: list[list[int]]) -> None:
-    """Raises the same ``ValueError`` on every rank when the ranks' signatures differ (every
-    rank holds every rank's signature)."""
-    problems = []
-    for i, (name, _, decode) in enumerate(_SIGNATURE):
-        ranks_of = {}
-        for src, sig in enumerate(signatures):
-            ranks_of.setdefault(sig[i], []).append(src)
-        if len(ranks_of) > 1:
-            got = [f"{decode(code)!r} on ranks {ranks}" for code, ranks in ranks_of.items()]
-            problems.append(f"the same {name}, but got {', '.join(got[:-1])} and {got[-1]}")
-    if problems:
-        raise ValueError(f"{_FN}: expected every rank of the expert-parallel group to pass "
-                         + "; ".join(problems))
-
-
-def _id_errors(num_experts: int, W: int) -> tuple[str, str]:
-    return (f"{_FN}: expected expert ids in [0, {num_experts})",
-            f"{_FN}: expected distinct expert ids per token (with dedup a row holds at most "
-            f"W = {W} of a token's experts)")
-
-
-@dataclass
-class _Splits:
-    """Rows per rank of one chunk's exchange: ``send[d]`` to rank d, ``recv[s]`` from rank s.
-    ``capacity`` is ``C`` in capacity mode (then ``send == [C] * R``), else None."""
-
-    send: list[int]
-    recv: list[int]
-    capacity: Optional[int]
-
-
-def _exchange_header(layer: _Layer, plan: _Plan) -> list[_Splits]:
-    """The first collective of a call: one all-to-all of an int64 header ``[R, S + 2 + 16 + 2]``
-    per rank, whose width depends on no argument, then one device-to-host copy.
-
-    A header row holds the layer signature, the argument error of the sender (none here: this
-    rank's arguments passed the local checks; see :func:`_raise_with_the_group`), one column per
-    chunk (the rows for that destination in exact mode, this rank's capacity ``C`` in capacity
-    mode) and the flags of the expert ids (out of range, repeated). Every rank receives every
-    rank's header, so every rank takes the same decision: the same error, or the splits of every
-    chunk. Ranks that failed their local checks come first (:func:`_argument_error`), then
-    signatures that differ. Exact mode copies the whole header to the host and raises a
-    ``ValueError`` naming the ranks with bad ids. Capacity mode copies all but the flags of the
-    ids (no value that depends on the tokens) and asserts on the flags on the device (an
-    asynchronous assertion: a ``RuntimeError`` on every rank on CPU, a device-side assertion on
-    CUDA)."""
-    R, n = layer.R, layer.num_chunks
-    device = plan.out_of_range.device
-    if layer.capacity_factor is None:
-        columns = torch.stack([p.rows_per_dest for p in plan.chunks], 1)  # [R, n]
-    else:
-        caps = [layer.capacity(e - s) for s, e in layer.spans]
-        columns = torch.tensor(caps, dtype=torch.int64, device=device).expand(R, n)
-    # the signature, then no argument error: type code 0, message of 0 bytes
-    signature = torch.tensor([code(layer) for _, code, _ in _SIGNATURE] + [0, 0],
-                             dtype=torch.int64, device=device)
-    send = torch.cat([
-        signature.expand(R, _CHUNK),
-        columns,
-        columns.new_zeros(R, _MAX_CHUNKS - n),
-        torch.stack([plan.out_of_range, plan.repeated]).long().view(1, 2).expand(R, 2),
-    ], 1)  # row r goes to rank r
-    recv = wait_tensor(all_to_all_single(send, None, None, layer.group))
-    out_of_range, repeated = _id_errors(layer.num_experts, layer.W)
-    if layer.capacity_factor is None:
-        sent, received = torch.stack([send, recv]).tolist()  # the host synchronisation
-        _raise_argument_errors(received, layer.group, device)
-        _check_signatures([row[:_S] for row in received])
-        for flag, message in ((_OUT_OF_RANGE, out_of_range), (_REPEATED, repeated)):
-            ranks = [src for src, row in enumerate(received) if row[flag]]
-            if ranks:
-                raise ValueError(f"{message}, but ranks {ranks} of the expert-parallel group "
-                                 "passed ids that are not")
-        return [_Splits([row[_CHUNK + c] for row in sent], [row[_CHUNK + c] for row in received],
-                        None)
-                for c in range(n)]
-    received = recv[:, :_OUT_OF_RANGE].tolist()  # the one host read: shapes and arguments
-    _raise_argument_errors(received, layer.group, device)
-    _check_signatures([row[:_S] for row in received])
-    assert_async(recv[:, _OUT_OF_RANGE].eq(0).all(),
-                 f"{out_of_range}, but a rank of the expert-parallel group passed an id "
-                 "outside that range")
-    assert_async(recv[:, _REPEATED].eq(0).all(),
-                 f"{repeated}, but a rank of the expert-parallel group repeated an id "
-                 "within a token")
-    return [_Splits([caps[c]] * R, [row[_CHUNK + c] for row in received], caps[c])
-            for c in range(n)]
-
-
-def _raise_argument_errors(received: list[list[int]], group, device) -> None:
-    """Raises on a rank whose arguments passed the local checks when the header rows
-    ``received`` say that other ranks' did not."""
-    error = _argument_error([row[_ERROR_TYPE:_CHUNK] for row in received], None, group, device)
-    if error is not None:
-        raise error
-
-
-def _raise_with_the_group(error: Exception, group, device) -> NoReturn:
-    """The header exchange of a rank whose arguments failed the local checks (``error``): it
-    takes part with a header of the same width, without a signature, that flags the error, so
-    that no rank is left waiting for it; then it raises with the others (see
-    :func:`_argument_error`)."""
-    R = dist.get_world_size(group)
-    send = torch.zeros(R, _WIDTH, dtype=torch.int64, device=device)
-    send[:, _ERROR_TYPE] = _ERROR_TYPES.index(TypeError if isinstance(error, TypeError)
-                                              else ValueError)
-    send[:, _ERROR_BYTES] = len(_carried(error))
-    recv = wait_tensor(all_to_all_single(send, None, None, group))
-    raise _argument_error(recv[:, _ERROR_TYPE:_CHUNK].tolist(), error, group, device)
-
-
-def _carried(error: Exception) -> bytes:
-    """The bytes of ``error``'s message that the other ranks receive."""
-    message = str(error)
-    if len(message) > _MAX_MESSAGE:
-        message = message[:_MAX_MESSAGE] + " ..."
-    return message.encode()
-
-
-def _argument_error(errors: list[list[int]], own: Optional[Exception], group,
-                    device) -> Optional[Exception]:
-    """The exception to raise when some ranks' arguments failed their local checks, else None.
-
-    ``errors[src]`` is the (type code, message bytes) pair of rank ``src``'s header; ``own`` is
-    this rank's error, None when its arguments passed. Every rank raises the type of the lowest
-    failing rank: a failing rank with its own message, the others with one that names the
-    failing ranks and carries their messages, which one more exchange brings them (on this path
-    only, and only when some rank passed: every rank knows from the header whether it comes)."""
-    failing = [src for src, (code, _) in enumerate(errors) if code]
-    if not failing:
-        return None
-    exc_type = _ERROR_TYPES[errors[failing[0]][0]]
-    messages = None
-    if len(failing) < len(errors):
-        messages = _exchange_messages(own, [n for _, n in errors], group, device)
-    if own is not None:
-        if type(own) is exc_type:
-            return own
-        error = exc_type(str(own))
-        error.__cause__ = own
-        return error
-    # "rank 1: expected x to be 2-D ...": the name of the function comes once, in front
-    reasons = [f"rank {src}: {messages[src].removeprefix(_FN + ': ')}" for src in failing]
-    return exc_type(f"{_FN}: ranks {failing} of the expert-parallel group passed invalid "
-                    f"arguments; {'; '.join(reasons)}")
-
-
-def _exchange_messages(own: Optional[Exception], lengths: list[int], group,
-                       device) -> list[str]:
-    """Every rank's carried error message (empty for a rank without an error), from every rank,
-    whose lengths in bytes the header told every rank: one all-to-all of equal splits, every
-    message zero-padded to the longest, in int64 words."""
-    R, words = len(lengths), -(-max(lengths) // 8)
-    mine = _carried(own) if own is not None else b""
-    payload = torch.frombuffer(bytearray((mine + bytes(8 * words - len(mine))) * R),
-                               dtype=torch.int64).to(device)
-    received = wait_tensor(all_to_all_single(payload, None, None, group))
-    data = bytes(received.cpu().view(torch.uint8).tolist())
-    return [data[8 * words * src:8 * words * src + n].decode(errors="replace")
-            for src, n in enumerate(lengths)]
-
 
 # ---------------------------------------------------------------------------------------------
 # Step 1, plan: where every assignment of a chunk goes, before anything crosses the wire
@@ -452,6 +197,16 @@ class _Plan(NamedTuple):
     chunks: list[_RowPlan]
     out_of_range: Tensor  # [] bool, an expert id outside [0, num_experts)
     repeated: Tensor  # [] bool, a row with more than W pairs (dedup: an id named twice)
+
+    @property
+    def rows_per_dest_Rn(self) -> Tensor:
+        """``[R, num_chunks]`` int64, the rows for every destination and chunk."""
+        return torch.stack([p.rows_per_dest for p in self.chunks], 1)
+
+    @property
+    def id_flags(self) -> Tensor:
+        """``[2]`` bool, (out of range, repeated)."""
+        return torch.stack([self.out_of_range, self.repeated])
 
 
 def _order_rows(topk_ids: Tensor, G: int, R: int, dedup: bool) -> _RowPlan:
@@ -658,149 +413,6 @@ def _add(stats: dict, name: str, value: Tensor) -> None:
     stats[name] = stats[name] + value if name in stats else value
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _as_float(v) -> Optional[float]:
-    """``float(v)`` for a real number other than a bool that a float can hold, else None."""
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except OverflowError:  # an int beyond the range of a double
-        return None
-
-
-def _resolve_group(group) -> tuple[dist.ProcessGroup, int]:
-    """The expert-parallel group and its size. Its errors are raised locally: without a group
-    there is no one to tell."""
-    if group is None:
-        if not dist.is_initialized():
-            raise ValueError(f"{_FN}: expected a process group, or group=None with an "
-                             "initialized default process group (init_process_group), but got "
-                             "group=None and no default process group")
-        group = dist.group.WORLD
-    elif not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{_FN}: expected group to be a ProcessGroup or None, but got "
-                        f"{type(group).__name__}")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"{_FN}: expected this process to be a member of group, but got a "
-                         f"group of the global ranks {dist.get_process_group_ranks(group)} "
-                         f"without {dist.get_rank()}")
-    return group, dist.get_world_size(group)
-
-
-def _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks):
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got {type(t).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{_FN}: expected x to be 2-D [T, D], but got shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{_FN}: expected x.dtype in {list(_DTYPES)}, but got {x.dtype}")
-    if x.device.type == "meta":
-        raise ValueError(f"{_FN}: expected x on a device with data (its rows are sent to other "
-                         "ranks), but got meta")
-    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"{_FN}: expected topk_ids and topk_weights of the same shape [T, k], but got "
-            f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    if topk_ids.size(0) != x.size(0):
-        raise ValueError(f"{_FN}: expected topk_ids.size(0) == x.size(0) = {x.size(0)} tokens, "
-                         f"but got {topk_ids.size(0)}")
-    dt = topk_ids.dtype
-    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-        raise ValueError(f"{_FN}: expected an integer topk_ids, but got {dt}")
-    if not topk_weights.dtype.is_floating_point:
-        raise ValueError(f"{_FN}: expected a floating topk_weights, but got {topk_weights.dtype}")
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != x.device:
-            raise ValueError(f"{_FN}: expected {name} on the device of x ({x.device}), but got "
-                             f"{t.device}")
-    if not _is_int(num_experts) or num_experts < 1:
-        raise ValueError(f"{_FN}: expected num_experts to be a positive int, but got "
-                         f"{num_experts!r}")
-    if num_experts % num_ranks != 0:
-        raise ValueError(f"{_FN}: expected num_experts divisible by the {num_ranks} ranks of "
-                         f"the group, but got num_experts={num_experts}")
-    k = topk_ids.size(1)
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"{_FN}: expected top-k = topk_ids.size(1) in [1, num_experts = "
-                         f"{num_experts}], but got {k}")
-
-
-def _check_experts(w1, w2, w3, x, G, activation):
-    D = x.size(1)
-    for name, w in (("w1_local", w1), ("w2_local", w2), ("w3_local", w3)):
-        if w is None and name != "w3_local":
-            raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got None")
-        if w is not None and not isinstance(w, Tensor):
-            raise TypeError(f"{_FN}: expected {name} to be a Tensor, but got {type(w).__name__}")
-        if w is not None and (w.dtype != x.dtype or w.device != x.device):
-            raise ValueError(f"{_FN}: expected {name} on {x.device} in {x.dtype} like x, but "
-                             f"got {w.device} {w.dtype}")
-    if w1.dim() != 3 or w1.size(0) != G or w1.size(1) != D:
-        raise ValueError(f"{_FN}: expected w1_local [{G}, {D}, F] (num_experts / world_size "
-                         f"experts of dim D), but got {tuple(w1.shape)}")
-    if w2.dim() != 3 or w2.size(0) != G or w2.size(2) != D:
-        raise ValueError(f"{_FN}: expected w2_local [{G}, F, {D}], but got {tuple(w2.shape)}")
-    F = w2.size(1)
-    gated = activation in GATED_ACTIVATIONS
-    if w3 is not None and not gated:
-        raise ValueError(f"{_FN}: expected w3_local=None for activation {activation!r}, which "
-                         f"is not gated, but got {tuple(w3.shape)}")
-    if w3 is not None and w3.shape != w1.shape:
-        raise ValueError(f"{_FN}: expected w3_local of the shape of w1_local {tuple(w1.shape)}, "
-                         f"but got {tuple(w3.shape)}")
-    want = 2 * F if gated and w3 is None else F
-    if w1.size(2) != want:
-        raise ValueError(f"{_FN}: expected w1_local.size(2) = {want} ("
-                         f"{'2 * ' if want != F else ''}w2_local.size(1)), but got {w1.size(2)}")
-
-
-def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{_FN}: expected activation in {ACTIVATIONS}, but got {activation!r}")
-    if not isinstance(dedup, bool):
-        raise ValueError(f"{_FN}: expected dedup to be a bool, but got {dedup!r}")
-    if not _is_int(num_chunks) or not 1 <= num_chunks <= _MAX_CHUNKS:
-        raise ValueError(f"{_FN}: expected num_chunks to be an int in [1, {_MAX_CHUNKS}], but "
-                         f"got {num_chunks!r}")
-    factor = _as_float(capacity_factor)
-    if capacity_factor is not None and not (
-            factor is not None and math.isfinite(factor) and factor > 0):
-        raise ValueError(f"{_FN}: expected capacity_factor to be a finite number > 0 or None, "
-                         f"but got {capacity_factor!r}")
-    for name, v in (("alpha", alpha), ("limit", limit)):
-        value = _as_float(v)
-        if value is None or math.isnan(value):
-            raise ValueError(f"{_FN}: expected {name} to be a number (not NaN, within the range "
-                             f"of a float), but got {v!r}")
-
-
-def _local_check_error(x, topk_ids, topk_weights, w1, w2, w3, *, num_experts, num_ranks,
-                       activation, alpha, limit, dedup, num_chunks,
-                       capacity_factor) -> Optional[Exception]:
-    """The error of the first local check (shapes, dtypes, devices, options) that this rank's
-    arguments fail, or None. It is raised with the group (:func:`_raise_with_the_group`)."""
-    try:
-        _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks)
-        _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
-        _check_experts(w1, w2, w3, x, num_experts // num_ranks, activation)
-    except (TypeError, ValueError) as e:
-        return e
-    return None
-
-
-def _header_device(x, group: dist.ProcessGroup) -> torch.device:
-    """The device of the header of a rank whose arguments failed: that of ``x`` as on the other
-    ranks, or the group's default device when ``x`` is not a tensor with data."""
-    if isinstance(x, Tensor) and x.device.type != "meta":
-        return x.device
-    return object_collective_device(group)
-
-
 def expert_parallel_moe_ffn(
     x: Tensor,
     topk_ids: Tensor,
@@ -860,7 +472,7 @@ def expert_parallel_moe_ffn(
                       capacity_factor=capacity_factor)
     # 1. plan the rows of every chunk; 2. exchange the header (the host synchronisation)
     plan = _plan_rows(topk_ids, layer)
-    splits = _exchange_header(layer, plan)
+    splits = _exchange_header(layer, plan.rows_per_dest_Rn, plan.id_flags)
     y, counts = _dispatch_compute_combine(x, topk_ids, topk_weights,
                                           _LocalExperts(w1_local, w2_local, w3_local), layer,
                                           plan, splits)
