@@ -1,54 +1,63 @@
 """Inductor lowerings of the torch_moe grouped GEMMs (counterpart of
 ``torch/_inductor/kernel/mm_grouped.py``).
 
-Each lowering realises its inputs, builds the output layout the fake kernel promises
-(contiguous), and hands ``autotune_select_algorithm`` its choices: the torch_moe kernel as an
-``ExternKernelChoice`` (the only choice on CPU, where Inductor cannot emit Triton). On CUDA the
-Triton kernels of :mod:`torch_moe._triton` reach Inductor through the decompositions of
-:mod:`torch_moe._inductor.decomposition` instead, as user-defined Triton kernels it can fuse
-around.
+Each lowering realises its inputs and builds the output layout the fake kernel promises
+(contiguous). What it then offers Inductor:
 
-Counters: ``torch._dynamo.utils.counters["torch_moe"]["<op>_lowering"]`` counts lowered calls.
+* ``grouped_mm``, ``a [M, K] x b [G, K, N]`` on CPU under ``mode="max-autotune"``: two choices
+  that ``autotune_select_algorithm`` benchmarks, the per-group kernel of the op
+  (``extern_kernels.torch_moe_grouped_mm``, one ``mm`` per group) and a padded batched GEMM
+  (``extern_kernels.torch_moe_grouped_mm_padded_bmm``, :mod:`torch_moe._inductor.padded_bmm`),
+  faster when the groups are many and small. They are benchmarked on groups of equal size
+  (``offs`` split the rows evenly; random ``offs`` would be invalid, and all-zero ones, what
+  Inductor makes for integer inputs, leave every group empty).
+* every other case (the other layouts, the other devices, no max-autotune) and
+  ``indexed_grouped_mm``: one extern call of the op's kernel, with no autotuning.
+
+There is no template choice: Inductor has no CPU GEMM template for grouped problems, and on
+CUDA the Triton kernels of :mod:`torch_moe._triton` reach Inductor through the decompositions
+registered by :func:`torch_moe._triton.register_cuda_kernels` (as user-defined Triton kernels it
+compiles), before any lowering runs.
+
+Counters: ``counters["torch_moe"]["<op>_lowering"]`` counts lowered calls.
 """
 
 import itertools
 
 import torch
-from torch._dynamo.utils import counters
-from torch._inductor.ir import FixedLayout
-from torch._inductor.lowering import make_fallback, register_lowering
-from torch._inductor.select_algorithm import (
-    ExternKernelChoice,
-    autotune_select_algorithm,
-    realize_inputs,
-)
+
+from torch_moe._inductor import _compat as inductor
+from torch_moe._inductor.padded_bmm import grouped_mm_padded_bmm
 
 ops = torch.ops.torch_moe
-
-
-def _extern(name: str, kernel, op_overload) -> ExternKernelChoice:
-    return ExternKernelChoice.lookup(name) or ExternKernelChoice(
-        kernel, name=name, has_out_variant=False, op_overload=op_overload
-    )
-
-
-def _contiguous_layout(like, size) -> FixedLayout:
-    stride = [1] * len(size)
-    for i in range(len(size) - 2, -1, -1):
-        stride[i] = stride[i + 1] * size[i + 1]
-    return FixedLayout(like.get_device(), like.get_dtype(), list(size), stride)
 
 
 # ---------------------------------------------------------------------------------------------
 # grouped_mm: 2D x 3D, 3D x 2D, 2D x 2D
 # ---------------------------------------------------------------------------------------------
 
-_grouped_mm_extern = _extern("torch_moe_grouped_mm", ops.grouped_mm.default, ops.grouped_mm.default)
+_grouped_mm_per_group = inductor.extern_kernel_choice(
+    ops.grouped_mm.default, "torch_moe_grouped_mm", ops.grouped_mm.default
+)
+_grouped_mm_padded_bmm = inductor.extern_kernel_choice(
+    grouped_mm_padded_bmm, "torch_moe_grouped_mm_padded_bmm", ops.grouped_mm.default
+)
 
 
-@register_lowering(ops.grouped_mm.default, type_promotion_kind=None)
+def _even_offs(num_rows: int):
+    """An ``offs`` input generator for benchmarking: ``G`` groups of (nearly) equal size."""
+
+    def make(offs_node):
+        G = inductor.size_hint(offs_node.get_size()[0])
+        ends = [(g + 1) * num_rows // G for g in range(G)]
+        return torch.tensor(ends, dtype=torch.int32, device=offs_node.get_device())
+
+    return make
+
+
+@inductor.register_lowering(ops.grouped_mm.default)
 def tuned_grouped_mm(mat_a, mat_b, offs):
-    mat_a, mat_b, offs = realize_inputs(mat_a, mat_b, offs)
+    mat_a, mat_b, offs = inductor.realize_inputs(mat_a, mat_b, offs)
     a, b = mat_a.get_size(), mat_b.get_size()
     if len(a) == 2 and len(b) == 3:
         size = [a[0], b[2]]
@@ -56,10 +65,18 @@ def tuned_grouped_mm(mat_a, mat_b, offs):
         size = [a[1], b[1]]
     else:
         size = [offs.get_size()[0], a[0], b[1]]
-    layout = _contiguous_layout(mat_a, size)
-    counters["torch_moe"]["grouped_mm_lowering"] += 1
-    choices = [_grouped_mm_extern.bind([mat_a, mat_b, offs], layout)]
-    return autotune_select_algorithm("torch_moe_grouped_mm", choices, [mat_a, mat_b, offs], layout)[0]
+    layout = inductor.fixed_layout(mat_a, size)
+    nodes = [mat_a, mat_b, offs]
+    inductor.counters()["torch_moe"]["grouped_mm_lowering"] += 1
+    if not (len(a) == 2 and len(b) == 3 and mat_a.get_device().type == "cpu"
+            and inductor.max_autotune_enabled()):
+        return inductor.extern_kernel_node(_grouped_mm_per_group, nodes, layout)
+    choices = [_grouped_mm_per_group.bind(nodes, layout),
+               _grouped_mm_padded_bmm.bind(nodes, layout)]
+    return inductor.autotune_select_algorithm(
+        "torch_moe_grouped_mm", choices, nodes, layout,
+        input_gen_fns={2: _even_offs(inductor.size_hint(a[0]))},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,8 +87,8 @@ _OPTIONAL = ("gather_index", "scatter_index", "scatter_weight")
 
 
 def _indexed_kernel(present: tuple[bool, bool, bool]):
-    """The op with only the optional tensors in ``present`` as positional arguments (Inductor
-    choices take tensors positionally and cannot pass None for a tensor)."""
+    """The op with only the optional tensors in ``present`` as positional arguments (an extern
+    call takes tensors positionally and cannot pass None for a tensor)."""
 
     def kernel(input, weight, offs, *tensors, num_out_rows=-1):
         it = iter(tensors)
@@ -82,28 +99,28 @@ def _indexed_kernel(present: tuple[bool, bool, bool]):
 
 
 _indexed_externs = {
-    present: _extern(
+    present: inductor.extern_kernel_choice(
+        _indexed_kernel(present),
         "torch_moe_indexed_grouped_mm" + "".join("_" + n.split("_")[0][0] + n.split("_")[1][0]
                                                  for n, p in zip(_OPTIONAL, present) if p),
-        _indexed_kernel(present),
         ops.indexed_grouped_mm.default,
     )
     for present in itertools.product((False, True), repeat=3)
 }
 
 
-@register_lowering(ops.indexed_grouped_mm.default, type_promotion_kind=None)
-def tuned_indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_index=None,
+@inductor.register_lowering(ops.indexed_grouped_mm.default)
+def lower_indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_index=None,
                              scatter_weight=None, num_out_rows=-1):
     optional = [gather_index, scatter_index, scatter_weight]
     present = tuple(t is not None for t in optional)
-    nodes = realize_inputs(input, weight, offs, *[t for t in optional if t is not None])
+    nodes = inductor.realize_inputs(input, weight, offs, *[t for t in optional if t is not None])
     S = gather_index.get_size()[0] if gather_index is not None else input.get_size()[0]
     rows = S if scatter_index is None else num_out_rows
-    layout = _contiguous_layout(input, [rows, weight.get_size()[2]])
-    counters["torch_moe"]["indexed_grouped_mm_lowering"] += 1
-    choices = [_indexed_externs[present].bind(nodes, layout, num_out_rows=num_out_rows)]
-    return autotune_select_algorithm("torch_moe_indexed_grouped_mm", choices, nodes, layout)[0]
+    layout = inductor.fixed_layout(input, [rows, weight.get_size()[2]])
+    inductor.counters()["torch_moe"]["indexed_grouped_mm_lowering"] += 1
+    return inductor.extern_kernel_node(_indexed_externs[present], nodes, layout,
+                                       num_out_rows=num_out_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,4 +131,4 @@ def tuned_indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_ind
 # with offsets (the wgrad GEMM's operands) stays in the graph and needs this extern fallback, which
 # Inductor does not create by itself for an op that also has a decomposition.
 for _op in (ops.quantize_fp8_rowwise.default, ops.dequantize_fp8_rowwise.default):
-    make_fallback(_op, warn=False, override_decomp=True)
+    inductor.make_fallback(_op)
