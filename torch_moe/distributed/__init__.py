@@ -2,7 +2,9 @@
 
 * ``tensor``: DTensor sharding strategies for every torch_moe op (``tensor/_ops/``, registered by
   ``import torch_moe.distributed.tensor``) and token-parallel execution of ``moe_ffn`` / ``MoE``
-  on DTensors (``tensor/_token_parallel.py``).
+  on DTensors (``tensor/_token_parallel.py``, which registers them as the DTensor handlers of
+  :mod:`torch_moe.nn._subclass_hooks`). ``torch_moe`` imports both as soon as
+  ``torch.distributed.tensor`` is imported, so they are in place before any DTensor exists.
 * ``placement``: expert placement over expert-parallel ranks, with replicas of hot experts, even
   routing to replicas and rebalancing of expert rows.
 * ``_dispatch_plan``: where routed tokens go under expert parallelism and how many copies each

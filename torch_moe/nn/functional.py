@@ -70,6 +70,12 @@ def moe_ffn(
     expert) and recomputes the activation from ``hidden``, which costs a few elementwise passes
     over ``[T * k, F]`` against the ``[T * k, D] + 3 [T * k, F]`` a plain autograd composition
     keeps alive.
+
+    Tensor subclasses: a ``DTensor`` ``x`` (with DTensor routing tensors and weights) runs
+    token parallel, each rank routing its own tokens, through the handlers that
+    :mod:`torch_moe.distributed` registers; fake and functional tensors (tracing) compute as
+    plain tensors; any other subclass raises unless its owner registered handlers
+    (:mod:`torch_moe.nn._subclass_hooks`).
     """
     kwargs = dict(activation=activation, alpha=alpha, limit=limit, precision=precision,
                   scale_mode=scale_mode, wgrad_high_precision=wgrad_high_precision)
@@ -155,7 +161,8 @@ def _check_quantized_operands(x: Tensor, w2: Tensor, precision: str) -> None:
 
 
 def _stable_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k along the last dim with ties broken towards the lowest index.
+    """Top-k along the last dim with ties broken towards the lowest index: ``values [..., n]``
+    -> ``(top values [..., k], their indices [..., k] int64)``, in descending order.
 
     ``torch.topk`` leaves the order of equal values unspecified, so bf16 scores (where ties are
     common) could route differently from run to run or across backends. A stable descending
@@ -273,6 +280,10 @@ def _check_route(logits, top_k, score_func, topk_before_score, expert_bias, num_
 
 
 def _mask_to_top_groups(select: Tensor, num_groups: int, topk_groups: int) -> Tensor:
+    """Group-limited routing: ``select [T, E]`` with the experts outside each token's
+    ``topk_groups`` best groups set to -inf. The E experts form ``num_groups`` equal groups of
+    consecutive ids; a group scores the sum of its top-2 values (its only value for groups of
+    one); ties between groups go to the lower group id."""
     T, E = select.shape
     grouped = select.view(T, num_groups, E // num_groups)
     per_group = min(2, E // num_groups)

@@ -16,7 +16,8 @@ provides. ``wgrad_high_precision`` computes dW in the input dtype instead (torch
 ``wgrad_with_hp``, TransformerEngine's ``rowwise_with_gw_hp``).
 
 Saved for backward: ``input`` and ``weight`` in high precision (the quantized copies are
-rebuilt along the backward axes, which is cheaper in memory than keeping three of them).
+rebuilt along the backward axes, which is cheaper in memory than keeping three of them); the
+backward formulas are in :mod:`torch_moe.quantization._autograd`.
 """
 
 import torch
