@@ -276,11 +276,14 @@ class TestParallelStyle(DTensorOpTestBase):
 
     def test_tensor_parallel_experts_matches_moe(self):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-        moe = make_moe(num_shared_experts=1)
-        ref = copy.deepcopy(moe)
-        parallelize_module(moe, mesh, TensorParallelExperts())
-        # the same tokens on every rank: plain gradients are already whole
-        self._compare(moe, ref, lambda r: 0, [0], None)
+        # gated (hidden = cat(gate, up) sharded in two halves) and not gated
+        for activation in ("swiglu", "gelu"):
+            with self.subTest(activation=activation):
+                moe = make_moe(num_shared_experts=1, activation=activation)
+                ref = copy.deepcopy(moe)
+                parallelize_module(moe, mesh, TensorParallelExperts())
+                # the same tokens on every rank: plain gradients are already whole
+                self._compare(moe, ref, lambda r: 0, [0], None)
 
 
 @unittest.skipIf(not HAS_DIST, "torch.distributed is not available")
