@@ -16,8 +16,11 @@ What needs a GPU (the kernels themselves reading these layouts) is checked by
 
 import functools
 import re
+import unittest
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -26,6 +29,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe  # noqa: F401  (registers the ops)
+from torch_moe import _compat
 from torch_moe.quantization import _cuda
 
 ops = torch.ops.torch_moe
@@ -229,6 +233,98 @@ class TestScaledGroupedMMContracts(TestCase):
             ),
         ):
             scaled_grouped_mm_meta(a, b, sa, unswizzled, offs)
+
+
+class TestScaledGroupedMMCall(TestCase):
+    """The call of aten's scaled grouped GEMM in ``scaled_grouped_mm_native``, through the ops
+    adapter (``torch_moe._compat.scaled_grouped_mm``), end to end on ``device="meta"``.
+
+    Public API (``torch.nn.functional.scaled_grouped_mm``, which calls
+    ``aten._scaled_grouped_mm_v2``): torch 2.13 has no meta kernel for ``_scaled_grouped_mm_v2``,
+    so the call is recorded and checked argument by argument (the recipe and swizzle enums, the
+    tensors, the output dtype and fast-accumulation flag), and the tensors it got are run
+    through the meta kernel of ``_scaled_grouped_mm``: both ops apply the same operand checks
+    before reaching the same kernels (rowwise: fp32 scales, RowWise on both sides; MXFP8: e8m0
+    scales, BlockWise1x32 with SWIZZLE_32_4_4, which ``_scaled_grouped_mm`` implies). Where torch
+    has a meta kernel for ``_scaled_grouped_mm_v2``, the public call itself runs too.
+    Private fallback (no public API): ``torch._scaled_grouped_mm``'s meta kernel runs.
+    """
+
+    G, M, K, N = 4, 512, 96, 80
+
+    def operands(self, recipe, two_d_three_d):
+        return empty_operands(recipe, two_d_three_d, self.G, self.M, self.K, self.N)
+
+    def expected_shape(self, two_d_three_d):
+        return (self.M, self.N) if two_d_three_d else (self.G, self.K, self.N)
+
+    @parametrize("recipe", RECIPES)
+    @parametrize("two_d_three_d", [True, False], name_fn=lambda v: "2d_3d" if v else "2d_2d")
+    def test_public_api_arguments(self, recipe, two_d_three_d):
+        if not hasattr(F, "scaled_grouped_mm"):
+            self.skipTest("torch has no torch.nn.functional.scaled_grouped_mm")
+        calls = []
+
+        def record(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs):
+            calls.append((mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, kwargs))
+            # the same operand checks, through the op that has a meta kernel
+            return torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=kwargs["offs"],
+                                            out_dtype=kwargs["output_dtype"],
+                                            use_fast_accum=kwargs["use_fast_accum"])
+
+        a, b, sa, sb, offs = self.operands(recipe, two_d_three_d)
+        _compat._public_scaled_grouped_mm.cache_clear()
+        try:
+            with mock.patch.object(F, "scaled_grouped_mm", record):
+                out = _cuda.scaled_grouped_mm_native(a, b, sa, sb, offs, recipe)
+        finally:
+            _compat._public_scaled_grouped_mm.cache_clear()
+        built = _cuda.native_operands(a, b, sa, sb, offs, recipe)
+        self.assertEqual(len(calls), 1)
+        mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, kwargs = calls[0]
+        for got, want in zip((mat_a, mat_b, scale_a, scale_b), built):
+            self.assertEqual((got.shape, got.stride(), got.dtype),
+                             (want.shape, want.stride(), want.dtype))
+        scaling = F.ScalingType.RowWise if recipe == "fp8_rowwise" else F.ScalingType.BlockWise1x32
+        swizzle = None if recipe == "fp8_rowwise" else F.SwizzleType.SWIZZLE_32_4_4
+        self.assertEqual((recipe_a, recipe_b), (scaling, scaling))
+        self.assertEqual((kwargs["swizzle_a"], kwargs["swizzle_b"]), (swizzle, swizzle))
+        self.assertIs(kwargs["offs"], offs)
+        self.assertEqual(kwargs["output_dtype"], torch.bfloat16)
+        self.assertIs(kwargs["use_fast_accum"], False)
+        self.assertNotIn("bias", kwargs)
+        self.assertEqual((out.shape, out.dtype), (self.expected_shape(two_d_three_d),
+                                                  torch.bfloat16))
+
+    @unittest.skipUnless(
+        torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_grouped_mm_v2", "Meta"),
+        "torch has no meta kernel for aten._scaled_grouped_mm_v2 (torch 2.13)",
+    )
+    @parametrize("recipe", RECIPES)
+    @parametrize("two_d_three_d", [True, False], name_fn=lambda v: "2d_3d" if v else "2d_2d")
+    def test_public_api_meta_kernel(self, recipe, two_d_three_d):
+        a, b, sa, sb, offs = self.operands(recipe, two_d_three_d)
+        out = _cuda.scaled_grouped_mm_native(a, b, sa, sb, offs, recipe)
+        self.assertEqual((out.shape, out.dtype), (self.expected_shape(two_d_three_d),
+                                                  torch.bfloat16))
+
+    @parametrize("recipe", RECIPES)
+    @parametrize("two_d_three_d", [True, False], name_fn=lambda v: "2d_3d" if v else "2d_2d")
+    def test_private_fallback(self, recipe, two_d_three_d):
+        a, b, sa, sb, offs = self.operands(recipe, two_d_three_d)
+        with mock.patch.object(_compat, "_public_scaled_grouped_mm", lambda: None), \
+                mock.patch.object(torch, "_scaled_grouped_mm",
+                                  wraps=torch._scaled_grouped_mm) as private:
+            out = _cuda.scaled_grouped_mm_native(a, b, sa, sb, offs, recipe)
+        self.assertEqual(private.call_count, 1)
+        args, kwargs = private.call_args
+        built = _cuda.native_operands(a, b, sa, sb, offs, recipe)
+        for got, want in zip(args, built):
+            self.assertEqual((got.shape, got.stride(), got.dtype),
+                             (want.shape, want.stride(), want.dtype))
+        self.assertEqual((kwargs["out_dtype"], kwargs["use_fast_accum"]), (torch.bfloat16, False))
+        self.assertEqual((out.shape, out.dtype), (self.expected_shape(two_d_three_d),
+                                                  torch.bfloat16))
 
 
 class TestBlockedScaleLayouts(TestCase):
@@ -445,6 +541,7 @@ class TestEmulatedFallback(TestCase):
             _cuda.scaled_grouped_mm_cuda(a, b, sa, sb, bad, torch.bfloat16)
 
 
+instantiate_parametrized_tests(TestScaledGroupedMMCall)
 instantiate_parametrized_tests(TestEmulatedFallback)
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = [
     "assert_async",
     "grouped_mm",
+    "scaled_grouped_mm",
     "is_plain_or_tracing_tensor_type",
     "functional_tensor_mode",
     "triton_op_decomposition_disabled",
@@ -60,6 +61,53 @@ def grouped_mm(mat_a: Tensor, mat_b: Tensor, *, offs: Optional[Tensor] = None,
     if public is not None:
         return public(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
     return torch._grouped_mm(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
+
+
+@functools.cache
+def _public_scaled_grouped_mm():
+    """``(torch.nn.functional.scaled_grouped_mm, {recipe: (ScalingType, SwizzleType or None)})``
+    where torch has the public API with the recipes used here, else None."""
+    fn = getattr(F, "scaled_grouped_mm", None)
+    scaling, swizzle = getattr(F, "ScalingType", None), getattr(F, "SwizzleType", None)
+    if fn is None or scaling is None or swizzle is None:
+        return None
+    try:
+        recipes = {
+            "fp8_rowwise": (scaling.RowWise, None),
+            "mxfp8": (scaling.BlockWise1x32, swizzle.SWIZZLE_32_4_4),
+        }
+    except AttributeError:
+        return None
+    return fn, recipes
+
+
+def scaled_grouped_mm(mat_a: Tensor, mat_b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
+                      recipe: str, offs: Optional[Tensor], out_dtype: torch.dtype = torch.bfloat16,
+                      use_fast_accum: bool = False) -> Tensor:
+    """aten's scaled grouped GEMM on operands already in its layouts: e4m3 ``mat_a``
+    (row-major) and ``mat_b`` (column-major), and for ``recipe``
+
+    * ``"fp8_rowwise"``: fp32 dequantization scales, one per row of ``mat_a`` and per column of
+      ``mat_b`` (per group and row / column in the 2D x 2D layout);
+    * ``"mxfp8"``: e8m0 scales of blocks of 32 along the contraction, in the 32x4x4 swizzled
+      layout.
+
+    ``torch.nn.functional.scaled_grouped_mm`` with the recipe spelled out (``ScalingType.RowWise``
+    on both sides; ``ScalingType.BlockWise1x32`` with ``SwizzleType.SWIZZLE_32_4_4``) where torch
+    has it, else ``torch._scaled_grouped_mm``, which infers the same recipes from the scale
+    dtypes (fp32 rowwise; e8m0 MX with the swizzled layout implied).
+    """
+    torch._check(recipe in ("fp8_rowwise", "mxfp8"),
+                 lambda: f"scaled_grouped_mm: unknown recipe {recipe!r}")
+    public = _public_scaled_grouped_mm()
+    if public is not None:
+        fn, recipes = public
+        scaling, swizzle = recipes[recipe]
+        return fn(mat_a, mat_b, scale_a, scaling, scale_b, scaling, swizzle_a=swizzle,
+                  swizzle_b=swizzle, offs=offs, output_dtype=out_dtype,
+                  use_fast_accum=use_fast_accum)
+    return torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=offs,
+                                    out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 def is_plain_or_tracing_tensor_type(t: type) -> bool:

@@ -1,8 +1,12 @@
 """CUDA kernel of ``torch_moe.scaled_grouped_mm``.
 
-This module is the one place that calls the private ``torch._scaled_grouped_mm``. It converts the
-op's canonical operands (see :mod:`torch_moe.quantization._scaled_grouped_mm`) to what that API
-requires, and falls back to a bf16 emulation where the device or the shapes have no kernel.
+This module converts the op's canonical operands (see
+:mod:`torch_moe.quantization._scaled_grouped_mm`) to what aten's scaled grouped GEMM requires and
+calls it through the ops adapter, :func:`torch_moe._compat.scaled_grouped_mm`: the public
+``torch.nn.functional.scaled_grouped_mm`` with the recipe spelled out (``ScalingType.RowWise``;
+``ScalingType.BlockWise1x32`` with ``SwizzleType.SWIZZLE_32_4_4``) where torch has it, else the
+private ``torch._scaled_grouped_mm``. Both reach the same kernels with the same operand checks.
+Where the device or the shapes have no kernel it falls back to an emulation.
 
 Canonical operands (``offs [G]`` int32 group ends, ``B = 32``):
 
@@ -11,8 +15,9 @@ Canonical operands (``offs [G]`` int32 group ends, ``B = 32``):
     2D x 2D   a [K, M] @ b [M, N]    -> [G, K, N]    MXFP8: scale_a [K, M/B], scale_b [M/B, N]
                                                      FP8:   scale_a [K, G],   scale_b [G, N]
 
-What ``torch._scaled_grouped_mm`` takes (``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and the
-meta kernel in ``torch/_meta_registrations.py``, torch 2.13):
+What aten's scaled grouped GEMM takes (``torch._scaled_grouped_mm`` and its public
+counterpart; checks of the CUDA kernels and the meta kernel of ``torch._scaled_grouped_mm``,
+torch 2.13):
 
 * ``mat_a`` row-major, ``mat_b`` column-major (its last two dims), both e4m3 with 16-byte
   aligned strides; the fbgemm MXFP8 kernel also assumes packed rows / experts, so both are
@@ -39,6 +44,7 @@ import math
 
 import torch
 
+from torch_moe import _compat
 from torch_moe.quantization import _checks as C
 from torch_moe.quantization import _scaled_grouped_mm as S
 from torch_moe.quantization._formats import BLOCK_SIZE
@@ -263,7 +269,7 @@ def to_blocked_col_groups(scale: torch.Tensor, group_ends: torch.Tensor) -> torc
 
 
 # ---------------------------------------------------------------------------------------------
-# Native path: torch._scaled_grouped_mm
+# Native path: aten's scaled grouped GEMM
 # ---------------------------------------------------------------------------------------------
 
 
@@ -336,17 +342,18 @@ def _zero_outside_groups_(
 
 
 def scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe: str) -> torch.Tensor:
-    """``torch._scaled_grouped_mm`` on the converted operands; bf16 output, zero outside the
-    groups. Offsets must already be validated."""
+    """aten's scaled grouped GEMM (:func:`torch_moe._compat.scaled_grouped_mm`) on the converted
+    operands; bf16 output, zero outside the groups. Offsets must already be validated."""
     a, b, sa, sb = native_operands(mat_a, mat_b, scale_a, scale_b, offs, recipe)
-    out = torch._scaled_grouped_mm(
-        a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=USE_FAST_ACCUM
+    out = _compat.scaled_grouped_mm(
+        a, b, sa, sb, recipe=recipe, offs=offs, out_dtype=torch.bfloat16,
+        use_fast_accum=USE_FAST_ACCUM,
     )
     return _zero_outside_groups_(out, offs, mat_b.dim() == 3)
 
 
 # ---------------------------------------------------------------------------------------------
-# Fallback: dequantize to bf16, torch._grouped_mm
+# Fallback: dequantize to bf16, aten's grouped GEMM
 # ---------------------------------------------------------------------------------------------
 
 
@@ -366,9 +373,10 @@ def _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, dtype):
 def scaled_grouped_mm_emulated_bf16(
     mat_a, mat_b, scale_a, scale_b, offs, recipe: str
 ) -> torch.Tensor:
-    """Fallback for devices and shapes without a ``torch._scaled_grouped_mm`` kernel: dequantize
-    both operands to bf16 and run ``torch._grouped_mm`` (fp32 accumulation, one rounding to
-    bf16). Output bf16, zero outside the groups; offsets must already be validated.
+    """Fallback for devices and shapes without a scaled grouped GEMM kernel: dequantize both
+    operands to bf16 and run aten's grouped GEMM (:func:`torch_moe._compat.grouped_mm`; fp32
+    accumulation, one rounding to bf16). Output bf16, zero outside the groups; offsets must
+    already be validated.
 
     Dequantizing to bf16 is exact: an e4m3 value has at most 4 significant bits and the scale is
     a power of two, so the product fits bf16's 8 bits, and bf16 has fp32's exponent range. The
@@ -382,7 +390,7 @@ def scaled_grouped_mm_emulated_bf16(
         # empty groups (the others assert on the device).
         a = a.t().contiguous().t()
         b = b.contiguous()
-    out = torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+    out = _compat.grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
     return _zero_outside_groups_(out, offs, mat_b.dim() == 3)
 
 
@@ -408,11 +416,12 @@ def scaled_grouped_mm_emulated_triton(
 def scaled_grouped_mm_cuda(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16):
     """CUDA kernel of ``torch_moe.scaled_grouped_mm`` (layouts in the module docstring).
 
-    Runs ``torch._scaled_grouped_mm`` where :func:`native_kernel_supported` and
-    :func:`native_shapes_supported` allow (bf16 output, cast to ``out_dtype``: an fp32 or fp16
-    result is rounded to bf16 first), else :func:`scaled_grouped_mm_emulated_triton` (one
-    rounding to ``out_dtype``), or :func:`scaled_grouped_mm_emulated_bf16` without triton. No host synchronisation: the offsets are checked with an
-    on-device assert and every size is known from the shapes.
+    Runs aten's scaled grouped GEMM (:func:`scaled_grouped_mm_native`) where
+    :func:`native_kernel_supported` and :func:`native_shapes_supported` allow (bf16 output, cast
+    to ``out_dtype``: an fp32 or fp16 result is rounded to bf16 first), else
+    :func:`scaled_grouped_mm_emulated_triton` (one rounding to ``out_dtype``), or
+    :func:`scaled_grouped_mm_emulated_bf16` without triton. No host synchronisation: the offsets
+    are checked with an on-device assert and every size is known from the shapes.
     """
     recipe = S.check_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
     two_d_three_d = mat_b.dim() == 3
