@@ -141,8 +141,8 @@ def size_hint(expr) -> int:
 
 
 def counters():
-    """Dynamo's counters (``counters()["torch_moe"][...]``), which ``torch._dynamo.reset`` and
-    the test cases clear."""
+    """Dynamo's counters, the ones compile statistics are read from: the lowerings count their
+    calls in ``counters()["torch_moe"]``."""
     from torch._dynamo.utils import counters as dynamo_counters
 
     return dynamo_counters
