@@ -131,13 +131,19 @@ def max_autotune_enabled() -> bool:
 
 def size_hint(expr) -> int:
     """The value Inductor assumes for a size while it compiles (an int for a static size, the
-    example's value for a symbolic one): what benchmark inputs are made with."""
+    example's value for a symbolic one, Inductor's fallback for a data-dependent one): what
+    benchmark inputs are made with."""
+    from torch._inductor import config
     from torch._inductor.virtualized import V
 
     sizevars = V.graph.sizevars
     # renamed from size_hint to optimization_hint
     hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint
-    return int(hint(expr))
+    kwargs = {}
+    fallback = getattr(config, "unbacked_symint_fallback", None)
+    if fallback is not None and "fallback" in inspect.signature(hint).parameters:
+        kwargs["fallback"] = fallback
+    return int(hint(expr, **kwargs))
 
 
 def counters():
