@@ -181,9 +181,13 @@ class TestMoEFFN(TestCase):
 
 
     def test_parameter_tokens_take_the_plain_path(self):
+        # eager and compiled (the subclass lookup is traced by Dynamo)
         x, ids, w, w1, w2, w3 = make_layer()
-        out = moe_ffn(torch.nn.Parameter(x.detach()), ids, w, w1, w2, w3)
-        self.assertEqual(out, moe_ffn(x, ids, w, w1, w2, w3))
+        p = torch.nn.Parameter(x.detach())
+        expected = moe_ffn(x, ids, w, w1, w2, w3)
+        self.assertEqual(moe_ffn(p, ids, w, w1, w2, w3), expected)
+        compiled = torch.compile(moe_ffn, fullgraph=True, backend="aot_eager")
+        self.assertEqual(compiled(p, ids, w, w1, w2, w3), expected)
 
     def test_tensor_subclass_without_handlers_raises(self):
         # a subclass that no package registered handlers for is not run as if it were plain

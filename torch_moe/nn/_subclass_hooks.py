@@ -52,11 +52,14 @@ def subclass_handlers(op: str, x: Tensor) -> Optional[SubclassHandlers]:
     """The handlers of ``type(x)`` or of its nearest registered base; None where ``x`` takes the
     plain path. ``op`` names the caller in the error raised for an unsupported subclass."""
     cls = type(x)
-    if cls is Tensor:  # the common case first, a constant under Dynamo
+    if cls is Tensor or cls is nn.Parameter:  # the common cases first, constants under Dynamo
         return None
-    for base in cls.__mro__:
-        if base in _HANDLERS:
-            return _HANDLERS[base]
+    # (issubclass over the registered types rather than a walk of cls.__mro__, which Dynamo
+    # cannot trace)
+    matches = [t for t in _HANDLERS if issubclass(cls, t)]
+    if matches:
+        nearest = min(matches, key=lambda t: cls.__mro__.index(t)) if len(matches) > 1 else matches[0]
+        return _HANDLERS[nearest]
     if issubclass(cls, nn.Parameter) or is_plain_or_tracing_tensor_type(cls):
         return None
     supported = ", ".join(sorted(t.__name__ for t in _HANDLERS)) or "none registered"
