@@ -6,8 +6,9 @@ the strided placement of fused weights is ``_StridedShard``. This module is the 
 torch_moe that imports them: ``_ops/_moe_ops.py`` and ``_ops/_quantization_ops.py`` use the
 names below, so a torch release that renames one breaks this file alone.
 
-Each entry detects what the installed torch has (a keyword in a signature, a name in a module)
-rather than comparing version strings.
+What differs between the supported torch releases is detected, never read from a version
+string: the keyword that takes the strategy filter of ``expand_to_full_mesh_op_strategy``
+(``is_valid_strategy_cb``, renamed ``full_mesh_strategy_filter``) is looked up in its signature.
 """
 
 from __future__ import annotations
