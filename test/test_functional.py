@@ -189,16 +189,20 @@ class TestMoEFFN(TestCase):
         compiled = torch.compile(moe_ffn, fullgraph=True, backend="aot_eager")
         self.assertEqual(compiled(p, ids, w, w1, w2, w3), expected)
 
-    def test_tensor_subclass_without_handlers_raises(self):
-        # a subclass that no package registered handlers for is not run as if it were plain
+    def test_tensor_subclass_without_handlers_runs_each_op_on_it(self):
+        # a subclass that no package registered handlers for computes through its own
+        # __torch_dispatch__: TwoTensor runs every op on both of its tensors
         x, ids, w, w1, w2, w3 = make_layer()
-        two = TwoTensor(x.detach(), x.detach().clone())
-        with self.assertRaisesRegex(TypeError, r"moe_ffn: expected x to be a plain tensor or a "
-                                    r"tensor subclass with MoE handlers .*TwoTensor"):
-            moe_ffn(two, ids, w, w1, w2, w3)
-        moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2))
-        with self.assertRaisesRegex(TypeError, r"MoE: expected x .*TwoTensor"):
-            moe(two)
+        x2 = torch.randn_like(x)
+        out = moe_ffn(TwoTensor(x.detach(), x2), ids, w, w1, w2, w3)
+        self.assertIsInstance(out, TwoTensor)
+        self.assertEqual(out.a, moe_ffn(x, ids, w, w1, w2, w3))
+        self.assertEqual(out.b, moe_ffn(x2, ids, w, w1, w2, w3))
+        moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2)).eval()
+        y = moe(TwoTensor(x.detach(), x2))
+        self.assertIsInstance(y, TwoTensor)
+        self.assertEqual(y.a, moe(x))
+        self.assertEqual(y.b, moe(x2))
 
     def test_registered_subclass_handlers_run(self):
         # handlers apply to the registered type and its subclasses; the plain computation they

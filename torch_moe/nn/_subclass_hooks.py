@@ -6,16 +6,15 @@ owns it, which registers its handlers here: :mod:`torch_moe.distributed` registe
 ``DTensor`` as soon as ``torch.distributed.tensor`` is imported. ``nn`` imports nothing of
 the owners.
 
-Plain tensors, parameters and the subclasses that tracing wraps plain tensors in (fake and
-functional tensors) take the plain path. Any other subclass without a handler raises rather
-than running kernels that do not know what its values mean.
+A subclass without handlers takes the plain path: every op of the layer then dispatches
+through the subclass's own ``__torch_dispatch__`` (fake and functional tensors while tracing,
+``LocalTensor`` simulating ranks, a ``TwoTensor``), which says what the op means for it. Only a
+subclass whose meaning is not per op, as a DTensor's token routing is not, needs handlers.
 """
 
 from typing import Callable, NamedTuple, Optional
 
 from torch import nn, Tensor
-
-from torch_moe._compat import is_plain_or_tracing_tensor_type
 
 __all__ = ["SubclassHandlers", "register_subclass_handlers", "subclass_handlers"]
 
@@ -48,24 +47,16 @@ def register_subclass_handlers(cls: type, *, moe_ffn: Callable[..., Tensor],
     _HANDLERS[cls] = SubclassHandlers(moe_ffn, moe_layer)
 
 
-def subclass_handlers(op: str, x: Tensor) -> Optional[SubclassHandlers]:
+def subclass_handlers(x: Tensor) -> Optional[SubclassHandlers]:
     """The handlers of ``type(x)`` or of its nearest registered base; None where ``x`` takes the
-    plain path. ``op`` names the caller in the error raised for an unsupported subclass."""
+    plain path."""
     cls = type(x)
-    if cls is Tensor or cls is nn.Parameter:  # the common cases first, constants under Dynamo
+    if cls is Tensor or cls is nn.Parameter or not _HANDLERS:  # constants under Dynamo
         return None
     # (issubclass over the registered types rather than a walk of cls.__mro__, which Dynamo
     # cannot trace)
     matches = [t for t in _HANDLERS if issubclass(cls, t)]
-    if matches:
-        nearest = min(matches, key=lambda t: cls.__mro__.index(t)) if len(matches) > 1 else matches[0]
-        return _HANDLERS[nearest]
-    if issubclass(cls, nn.Parameter) or is_plain_or_tracing_tensor_type(cls):
+    if not matches:
         return None
-    supported = ", ".join(sorted(t.__name__ for t in _HANDLERS)) or "none registered"
-    raise TypeError(
-        f"{op}: expected x to be a plain tensor or a tensor subclass with MoE handlers "
-        f"({supported}), but got a {cls.__module__}.{cls.__qualname__}; the package that "
-        "owns the subclass registers them with torch_moe.nn._subclass_hooks."
-        "register_subclass_handlers"
-    )
+    nearest = min(matches, key=lambda t: cls.__mro__.index(t)) if len(matches) > 1 else matches[0]
+    return _HANDLERS[nearest]

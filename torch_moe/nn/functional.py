@@ -73,14 +73,14 @@ def moe_ffn(
 
     Tensor subclasses: a ``DTensor`` ``x`` (with DTensor routing tensors and weights) runs
     token parallel, each rank routing its own tokens, through the handlers that
-    :mod:`torch_moe.distributed` registers; fake and functional tensors (tracing) compute as
-    plain tensors; any other subclass raises unless its owner registered handlers
+    :mod:`torch_moe.distributed` registers; any other subclass computes through its own
+    ``__torch_dispatch__`` of each op unless its owner registered handlers
     (:mod:`torch_moe.nn._subclass_hooks`).
     """
     kwargs = dict(activation=activation, alpha=alpha, limit=limit, precision=precision,
                   scale_mode=scale_mode, wgrad_high_precision=wgrad_high_precision)
     _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, **kwargs)
-    handlers = subclass_handlers("moe_ffn", x)
+    handlers = subclass_handlers(x)
     if handlers is not None:
         # the subclass's owner runs the layer (a DTensor: every rank routes its own tokens),
         # calling back into the plain computation on its local tensors

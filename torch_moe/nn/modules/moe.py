@@ -478,7 +478,7 @@ class MoE(nn.Module):
         if x.dim() not in (2, 3) or x.size(-1) != c.dim:
             raise ValueError(f"MoE: expected input [B, L, {c.dim}] or [T, {c.dim}], but got "
                              f"{tuple(x.shape)}")
-        handlers = subclass_handlers("MoE", x)
+        handlers = subclass_handlers(x)
         if handlers is not None:
             # the subclass's owner runs the layer (a DTensor: every rank routes its own tokens)
             return handlers.moe_layer(self, x, return_aux_loss)
