@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from torch_moe import _checks
 from torch_moe._compat import assert_async
+from torch_moe._native.padded_groups import padded_group_layout
 from torch_moe._inductor._compat import register_decomposition
 from torch_moe._native._cpu_features import accumulate_dtype
 from torch_moe.quantization import _grouped_mm as QG
@@ -54,9 +55,7 @@ def token_sort(topk_ids, num_experts, align=1):
     expert_sorted, order = torch.sort(ids, stable=True)
     if align == 1:
         return order, counts.cumsum(0).to(torch.int32), counts
-    padded = torch.div(counts + (align - 1), align, rounding_mode="floor") * align
-    ends = padded.cumsum(0)
-    shift = (ends - padded) - (counts.cumsum(0) - counts)
+    ends, shift = padded_group_layout(counts, align)
     dest = torch.arange(n, device=ids.device) + shift[expert_sorted]
     S = _checks.token_sort_num_slots(n, num_experts, align)
     sorted_ids = torch.full((S,), -1, dtype=torch.int64, device=ids.device)

@@ -144,7 +144,6 @@ def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
     a single group. The cost model charges it on each of the grouped GEMMs of
     ``gemm_cost.expert_ffn_time``."""
     _check_reps(reps)
-    import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
 
     def timed(num_groups):
         d = 8
@@ -176,8 +175,6 @@ def measure_grouped_ffn_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = 
     as a whole, with its GEMMs, elementwise kernels, host work and allocations interleaved as
     they are in a layer; :func:`fit_to_grouped_ffn` reconciles the part-wise curves with it.
     Row counts are timed in interleaved passes, like :func:`measure_gemm_curve`."""
-    import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
-
     _check_reps(reps)
     ops = torch.ops.torch_moe
     cases = []
