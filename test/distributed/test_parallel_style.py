@@ -64,6 +64,8 @@ else:  # keep the module importable so that the class below is reported as skipp
 
 from _parallel_style_common import _INIT_LOCK, compare_with_layer, global_tokens, make_moe
 
+from torch_moe.nn import GroupedExperts
+
 
 class _Attention(nn.Module):
     """Enough of an attention block for Colwise/Rowwise TP: per-head projections, a per-head
@@ -162,11 +164,8 @@ class TestParallelStyle(DTensorOpTestBase):
                 ref = copy.deepcopy(moe)
                 module = moe if target == "moe" else moe.experts
                 self.assertIs(parallelize_module(module, mesh, style()), module)
-                # distribute_module partitions the weights and installs the style's hooks; the
-                # expert-parallel styles also hand the experts the dispatcher (MoE then passes
-                # them the router's topk_ids), tensor parallelism runs them on DTensors
+                # distribute_module partitions the weights and installs the style's hooks
                 self.assertTrue(getattr(moe.experts, "_distribute_module_applied", False))
-                self.assertEqual(moe.experts._dispatch is None, style is TensorParallelExperts)
                 self.assertNotIsInstance(moe.router.weight, DTensor)
                 for name in ("w1", "w2", "w3"):
                     with self.subTest(style=style.__name__, target=target, weight=name):
@@ -177,6 +176,62 @@ class TestParallelStyle(DTensorOpTestBase):
                         self.assertEqual(tuple(w.to_local().shape), local_shapes[name])
                         self.assertEqual(w.full_tensor(), getattr(ref.experts, name),
                                          atol=0, rtol=0)
+
+    def test_styles_set_no_attribute_on_the_module(self):
+        # a style acts through the weights it partitions and the hooks it registers: nothing
+        # else of the experts' instance state changes, at parallelize time or in a forward,
+        # but distribute_module's own mark
+        mesh1 = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        internals = {"_parameters", "_forward_pre_hooks", "_forward_hooks",
+                     "_forward_hooks_always_called", "_forward_hooks_with_kwargs",
+                     "_forward_pre_hooks_with_kwargs"}
+        cases = ((ExpertParallel, mesh1), (ExpertTensorParallel, mesh2),
+                 (TensorParallelExperts, mesh1))
+        xs, gs = global_tokens(self.world_size)
+        for style, mesh in cases:
+            with self.subTest(style=style.__name__):
+                moe = make_moe()
+                state = dict(vars(moe.experts))
+                parallelize_module(moe, mesh, style())
+                after = vars(moe.experts)
+                self.assertEqual(set(after) - set(state), {"_distribute_module_applied"})
+                self.assertEqual(set(state) - set(after), set())
+                changed = {k for k in state if k not in internals and after[k] is not state[k]}
+                self.assertEqual(changed, set())
+                self.assertIs(type(moe.experts), GroupedExperts)
+                # a forward and backward leave the DTensor parameters registered
+                params = dict(moe.experts.named_parameters())
+                keys = set(after)
+                moe(xs[0]).backward(gs[0])  # the same tokens on every rank: tp peers need them
+                self.assertEqual(set(vars(moe.experts)), keys)
+                self.assertEqual(dict(moe.experts.named_parameters()), params)
+                for name, p in params.items():
+                    self.assertIs(moe.experts._parameters[name], p)
+                    self.assertIsInstance(p.grad, DTensor)
+
+    def test_expert_parallel_forward_that_raises_restores_the_parameters(self):
+        # the local shards stand in for the parameters only during a forward, even one that
+        # fails between the pre-hook and the forward hook
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        moe = make_moe()
+        parallelize_module(moe, mesh, ExpertParallel())
+        params = dict(moe.experts.named_parameters())
+        xs, _ = global_tokens(self.world_size)
+        # a pre-hook registered after the style's runs after the tokens were exchanged and
+        # before the experts' forward: it fails on every rank
+        def fail(module, inputs):
+            raise RuntimeError("expert kernel failed")
+
+        handle = moe.experts.register_forward_pre_hook(fail)
+        with self.assertRaisesRegex(RuntimeError, "expert kernel failed"):
+            moe(xs[self.rank])
+        handle.remove()
+        for name, p in params.items():
+            self.assertIs(moe.experts._parameters[name], p)
+            self.assertIsInstance(p, DTensor)
+        # and the layer works again
+        self.assertEqual(moe(xs[self.rank]).shape, xs[self.rank].shape)
 
     # -----------------------------------------------------------------------------------------
     # numerics against the unsharded layer

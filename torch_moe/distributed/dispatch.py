@@ -98,7 +98,11 @@ instead of hanging.
 
 Not implemented: quantised payloads, precisions other than the ``moe_ffn`` default (the local
 experts run ``grouped_ffn`` in the dtype of the weights), and DTensor inputs (plain local
-tensors; the ParallelStyles of :mod:`torch_moe.distributed.parallel` wrap this function).
+tensors). The ParallelStyles of :mod:`torch_moe.distributed.parallel` run the same steps
+around the experts' own forward: steps 1 to 3 in its forward pre-hook (:func:`_dispatch_tokens`,
+the rows of every chunk concatenated by :func:`_received_rows`), the expert compute in the
+forward, on all received rows at once, and the sending back and step 5 in its forward hook
+(:func:`_combine_rows`).
 """
 
 from __future__ import annotations
@@ -370,14 +374,14 @@ def _compute_experts(received: _Received, splits: _Splits, experts: _LocalExpert
 
 
 def _combine(x: Tensor, layer: _Layer, buffers: list[_SendBuffers],
-             computed: list[_Computed]) -> Tensor:
+             returning_ND: list[Tensor]) -> Tensor:
     """``y [T, D]`` in ``x.dtype``: the returned rows of every token added in fp32."""
     ys = []
-    for (s, e), buf, back in zip(layer.spans, buffers, computed):
+    for (s, e), buf, back in zip(layer.spans, buffers, returning_ND):
         # an empty chunk still has its padding rows in capacity mode: they add zeros to a
         # spare row, so that the returned rows stay in the graph of every rank's backward
         y = torch.zeros(max(e - s, 1), layer.D, dtype=torch.float32, device=x.device)
-        y = y.index_add(0, buf.token_N, back.returning_ND.float())
+        y = y.index_add(0, buf.token_N, back.float())
         # a non-empty chunk's sum is used whole, so the result is a tensor of its own (a module
         # wrapped by fully_shard must not return a view); only an empty chunk slices its spare
         # row away
@@ -386,19 +390,19 @@ def _combine(x: Tensor, layer: _Layer, buffers: list[_SendBuffers],
     return y.to(x.dtype)
 
 
-def _call_counts(layer: _Layer, buffers: list[_SendBuffers],
-                 computed: list[_Computed]) -> dict[str, Tensor]:
-    """The device counters of this call: ``last_expert_load``, and in capacity mode the row
-    counts and ``dropped``, which only the device knows (padding rows carry the unused id
-    ``G`` alone)."""
+def _call_counts(layer: _Layer, buffers: list[_SendBuffers], ids_MW: list[Tensor],
+                 load_G: Tensor) -> dict[str, Tensor]:
+    """The device counters of this call: ``last_expert_load`` (``load_G [G]``, the assignments
+    each local expert computed), and in capacity mode the row counts and ``dropped``, which only
+    the device knows (padding rows carry the unused id ``G`` alone); ``ids_MW`` are the
+    received local expert ids of every chunk."""
     rank = layer.rank
-    stats: dict[str, Tensor] = {}
-    for buf, c in zip(buffers, computed):
-        _add(stats, "last_expert_load", c.load_G)
+    stats: dict[str, Tensor] = {"last_expert_load": load_G}
+    for buf, ids in zip(buffers, ids_MW):
         sp = buf.splits
         if sp.capacity is None:
             continue
-        used = (c.ids_MW < layer.G).any(1).long()
+        used = (ids < layer.G).any(1).long()
         own = sum(sp.recv[:rank])
         own_used = used[own:own + sp.recv[rank]].sum()
         _add(stats, "rows_received", used.sum())
@@ -460,24 +464,53 @@ def expert_parallel_moe_ffn(
         ``[T, D]`` in the dtype of ``x``: ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
         (dropped assignments excluded in capacity mode).
     """
-    group, R = _resolve_group(group)
-    error = _local_check_error(x, topk_ids, topk_weights, w1_local, w2_local, w3_local,
-                               num_experts=num_experts, num_ranks=R, activation=activation,
-                               alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
-                               capacity_factor=capacity_factor)
-    if error is not None:
-        _raise_with_the_group(error, group, _header_device(x, group))
-    layer = _Layer.of(x, topk_ids, num_experts=num_experts, group=group, activation=activation,
-                      alpha=alpha, limit=limit, dedup=dedup, num_chunks=num_chunks,
-                      capacity_factor=capacity_factor)
-    # 1. plan the rows of every chunk; 2. exchange the header (the host synchronisation)
-    plan = _plan_rows(topk_ids, layer)
-    splits = _exchange_header(layer, plan.rows_per_dest_Rn, plan.id_flags)
+    layer, plan, splits = _plan_and_exchange_header(
+        x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts=num_experts,
+        group=group, activation=activation, alpha=alpha, limit=limit, dedup=dedup,
+        num_chunks=num_chunks, capacity_factor=capacity_factor)
     y, counts = _dispatch_compute_combine(x, topk_ids, topk_weights,
                                           _LocalExperts(w1_local, w2_local, w3_local), layer,
                                           plan, splits)
     _record_traffic(layer, splits, counts, x.element_size(), x.device)
     return y
+
+
+def _plan_and_exchange_header(x, topk_ids, topk_weights, w1_local, w2_local, w3_local, *,
+                              num_experts, group, **options
+                              ) -> tuple[_Layer, _Plan, list[_Splits]]:
+    """The local checks of a call's arguments (a failing rank raises with the group, see
+    "Argument errors"), then 1. the row plan of every chunk and 2. the header exchange, the
+    host synchronisation: the call's layer, plan and the splits of every chunk."""
+    group, R = _resolve_group(group)
+    error = _local_check_error(x, topk_ids, topk_weights, w1_local, w2_local, w3_local,
+                               num_experts=num_experts, num_ranks=R, **options)
+    if error is not None:
+        _raise_with_the_group(error, group, _header_device(x, group))
+    layer = _Layer.of(x, topk_ids, num_experts=num_experts, group=group, **options)
+    plan = _plan_rows(topk_ids, layer)
+    splits = _exchange_header(layer, plan.rows_per_dest_Rn, plan.id_flags)
+    return layer, plan, splits
+
+
+class _Dispatched(NamedTuple):
+    """A call after step 3: every chunk's rows on their way to their experts, and what the
+    combine needs to bring the results back."""
+
+    x: Tensor  # [T, D], the tokens (their dtype and device are the output's)
+    layer: _Layer
+    splits: list[_Splits]  # per chunk, host-known
+    buffers: list[_SendBuffers]  # per chunk
+    received: list[_Received]  # per chunk, possibly in flight
+
+
+def _start_exchange(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layer: _Layer,
+                    plan: _Plan, splits: list[_Splits]) -> _Dispatched:
+    """Step 3: every chunk's send buffers, and its rows started towards their experts."""
+    buffers = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
+               for (s, e), p, sp in zip(layer.spans, plan.chunks, splits)]
+    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer.group)
+                for (s, e), buf in zip(layer.spans, buffers)]
+    return _Dispatched(x, layer, splits, buffers, received)
 
 
 def _dispatch_compute_combine(x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
@@ -488,15 +521,66 @@ def _dispatch_compute_combine(x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
     every shape here follows from the splits: no op has a data-dependent shape and nothing is
     read on the host, so this part traces into one graph."""
     # 3. exchange: start every chunk's rows towards their experts
-    buffers = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
-               for (s, e), p, sp in zip(layer.spans, plan.chunks, splits)]
-    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer.group)
-                for (s, e), buf in zip(layer.spans, buffers)]
+    dispatched = _start_exchange(x, topk_ids, topk_weights, layer, plan, splits)
     # 4. expert compute, chunk by chunk, each result sent back at once: with several chunks
     # the exchanges of one overlap the expert compute of another
-    computed = [_compute_experts(r, sp, experts, layer) for r, sp in zip(received, splits)]
+    computed = [_compute_experts(r, sp, experts, layer)
+                for r, sp in zip(dispatched.received, splits)]
     # 5. combine
-    return _combine(x, layer, buffers, computed), _call_counts(layer, buffers, computed)
+    y = _combine(x, layer, dispatched.buffers, [c.returning_ND for c in computed])
+    load_G = sum(c.load_G for c in computed)
+    return y, _call_counts(layer, dispatched.buffers, [c.ids_MW for c in computed], load_G)
+
+
+# ---------------------------------------------------------------------------------------------
+# The same steps around an expert compute that runs elsewhere: the expert-parallel
+# ParallelStyles dispatch in a module's forward pre-hook, compute in its forward and combine
+# in its forward hook
+# ---------------------------------------------------------------------------------------------
+
+
+def _dispatch_tokens(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1_local: Tensor,
+                     w2_local: Tensor, w3_local: Optional[Tensor], *, num_experts: int,
+                     group: Optional[dist.ProcessGroup] = None, activation: str = "swiglu",
+                     alpha: float = 1.702, limit: float = 7.0, dedup: bool = False,
+                     num_chunks: int = 1,
+                     capacity_factor: Optional[float] = None) -> _Dispatched:
+    """Steps 1 to 3 of :func:`expert_parallel_moe_ffn` (same arguments, the same errors on
+    every rank): the local checks, the row plan, the header exchange and the start of every
+    chunk's exchange. The weights are checked here, not used."""
+    layer, plan, splits = _plan_and_exchange_header(
+        x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts=num_experts,
+        group=group, activation=activation, alpha=alpha, limit=limit, dedup=dedup,
+        num_chunks=num_chunks, capacity_factor=capacity_factor)
+    return _start_exchange(x, topk_ids, topk_weights, layer, plan, splits)
+
+
+def _received_rows(dispatched: _Dispatched) -> _Received:
+    """The rows of every chunk, concatenated (this waits for all of them): ``[M, D]`` rows
+    with their ``[M, W]`` local expert ids and routing weights, ``M`` summed over the
+    chunks."""
+    received = dispatched.received
+    if len(received) == 1:
+        r = received[0]
+        return _Received(r.rows_MD, wait_tensor(r.ids_MW), r.weights_MW)
+    return _Received(*(torch.cat(parts) for parts in zip(*received)))
+
+
+def _combine_rows(dispatched: _Dispatched, out_MD: Tensor, ids_MW: Tensor,
+                  load_G: Tensor) -> Tensor:
+    """The rest of the call for rows computed all at once: ``out_MD [M, D]`` are the weighted
+    expert sums of the rows of :func:`_received_rows`, ``ids_MW`` their ids and ``load_G [G]``
+    the assignments each local expert computed. Every chunk's results go back to their
+    sources and are added into ``y [T, D]`` in ``x.dtype``; the counters are recorded."""
+    x, layer, splits, buffers = dispatched.x, dispatched.layer, dispatched.splits, \
+        dispatched.buffers
+    sizes = [sum(sp.recv) for sp in splits]
+    returning = [all_to_all_single_autograd(out, sp.send, sp.recv, layer.group)
+                 for out, sp in zip(out_MD.split(sizes), splits)]
+    y = _combine(x, layer, buffers, returning)
+    counts = _call_counts(layer, buffers, list(ids_MW.split(sizes)), load_G)
+    _record_traffic(layer, splits, counts, x.element_size(), x.device)
+    return y
 
 
 def _record_traffic(layer: _Layer, splits: list[_Splits], stats: dict, elem_bytes: int,

@@ -16,16 +16,33 @@ A style applies to a :class:`~torch_moe.nn.GroupedExperts` or to a :class:`~torc
 (then to its ``experts``; router and shared experts stay plain, replicated modules). The layer
 keeps taking and returning plain ``torch.Tensor`` s: each rank passes its own tokens and gets
 their outputs. Like torch's own styles, each is a
-:func:`~torch.distributed.tensor.distribute_module` of the experts: its partition function
-distributes the expert weights as DTensors, and its input and output functions (forward pre-
-and post-hooks) move the tensor-parallel boundary: the inputs replicated over ``tp`` with
-their gradients summed over it, the partial outputs summed over it, with functional
-collectives. The expert-parallel styles also install ``GroupedExperts._dispatch``, through
-which :meth:`MoE.routed_forward` hands the router's ``topk_ids`` to the experts (expert
-parallelism must know each token's expert, not a locally sorted order); it runs on the local
-shards (``DTensor.to_local()``). :class:`TensorParallelExperts` runs the experts on DTensors,
-through the sharding strategies of the ops. Either way every weight gradient is a DTensor
-placed like its weight.
+:func:`~torch.distributed.tensor.distribute_module` of the experts, and sets nothing else on
+the module: its partition function distributes the expert weights as DTensors, its input and
+output functions (a forward pre-hook and a forward hook) do the communication around the
+experts' own ``forward``, the plain grouped FFN, which :class:`~torch_moe.nn.MoE` calls with
+``(x, sorted_ids, offs, topk_weights, topk_ids)`` whether its experts are parallel or not.
+
+* Expert parallelism (:class:`ExpertParallel`, :class:`ExpertTensorParallel`) must know each
+  token's experts: the input function takes the router's ``topk_ids`` (the local sort is not
+  used) and runs the first steps of
+  :func:`~torch_moe.distributed.dispatch.expert_parallel_moe_ffn` over the ``ep`` group: row
+  plan, header exchange (the one host synchronisation; argument errors on every rank) and the
+  all-to-all of the rows, which arrive at the rank of their experts. ``forward`` computes the
+  local experts on the received rows. The output function sends every row's weighted expert
+  sum back to its token's rank and adds them up (combine). For the forward the input function
+  puts the local shards of the DTensor weights (``to_local()``, their gradients scaled by
+  ``1 / ep``, see below) in place of the registered parameters, and a forward hook that runs
+  even when the forward raises puts the parameters back: FSDP2 swaps its unsharded parameters
+  in and out of a module around its forward the same way. ``fully_shard`` applied to the
+  experts afterwards registers its pre-hook in front of the style's and its hook after the
+  style's: the weights are all-gathered over ``edp`` before their ``ep`` shards are taken.
+* Tensor parallelism over ``tp``: the inputs replicated over ``tp`` with their gradients
+  summed over it, the partial outputs summed over it, with functional collectives.
+  :class:`TensorParallelExperts` runs ``forward`` on DTensors, through the sharding
+  strategies of the ops; :class:`ExpertTensorParallel` does this around the expert-parallel
+  exchange, on local tensors.
+
+Either way every weight gradient is a DTensor placed like its weight.
 
 The ``ep`` ranks hold different tokens: they are data parallel, and gradients follow the
 data-parallel convention of DDP and FSDP, the mean over the token sets of the data-parallel
@@ -97,9 +114,9 @@ the same division.
 
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Any, Optional
+import threading
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn, Tensor
@@ -116,7 +133,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 # the sharding strategies of torch_moe's ops, which TensorParallelExperts runs on DTensors
 import torch_moe.distributed.tensor  # noqa: F401
-from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
+from torch_moe.distributed.dispatch import (
+    _combine_rows,
+    _Dispatched,
+    _dispatch_tokens,
+    _received_rows,
+    expert_parallel_moe_ffn,
+)
 from torch_moe.nn.modules.moe import GroupedExperts, MoE
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
@@ -124,9 +147,11 @@ __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
 _WEIGHTS = ("w1", "w2", "w3")
 # the FFN dim F of each weight: w1/w3 [E, D, F], w2 [E, F, D]
 _FFN_DIM = {"w1": 2, "w2": 1, "w3": 2}
-# GroupedExperts.forward(x [T, D], sorted_ids, offs, topk_weights [T, k], topk_ids=None): the
-# positional inputs whose gradients are partial sums over the F shards of tensor parallelism
-_X, _TOPK_WEIGHTS = 0, 3
+# GroupedExperts.forward(x [T, D], sorted_ids, offs, topk_weights [T, k], topk_ids [T, k]): the
+# positions of its inputs (MoE passes all five positionally, as a forward pre-hook sees only
+# positional inputs); the plain grouped FFN reads the first four
+_X, _TOPK_WEIGHTS, _TOPK_IDS = 0, 3, 4
+_FFN_INPUTS = 4
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -167,26 +192,20 @@ def _submesh(mesh: DeviceMesh, dim: int) -> DeviceMesh:
     return DeviceMesh.from_group(mesh.get_group(dim), mesh.device_type)
 
 
-def _copy_to_tensor_parallel(inputs: tuple, tp_mesh: DeviceMesh, use_local_output: bool):
-    """The inputs of the experts, replicated over ``tp_mesh``, with gradients summed over it.
+def _copy_to_tensor_parallel(t: Tensor, tp_mesh: DeviceMesh, use_local_output: bool) -> Tensor:
+    """An input of the experts, the same on every rank of ``tp_mesh``, replicated over it with
+    its gradient summed over it.
 
-    ``x`` and ``topk_weights`` are the same on every ``tp`` rank, and each rank uses them with
-    its own slice of F: the gradient of each is the sum of the ranks' shares. As DTensors
-    (``use_local_output=False``: the experts run on DTensors) they are ``Replicate`` and the
-    sharding strategies make their gradients ``Partial``; as local tensors they say so with
-    ``grad_placements``. Either way the backward of ``from_local`` reduces the gradient to
-    ``Replicate``: an all-reduce with functional collectives. The other inputs (the sort of
-    the tokens, or None) are index maps without gradient.
+    The tokens ``x`` and the routing weights are the same on every ``tp`` rank, and each rank
+    uses them with its own slice of F: the gradient of each is the sum of the ranks' shares. As
+    DTensors (``use_local_output=False``: the experts run on DTensors) they are ``Replicate``
+    and the sharding strategies make their gradients ``Partial``; as local tensors they say so
+    with ``grad_placements``. Either way the backward of ``from_local`` reduces the gradient to
+    ``Replicate``: an all-reduce with functional collectives. (The token sort, an index map
+    without gradient, takes the same way as a DTensor.)
     """
-    out = list(inputs)
-    for i, t in enumerate(inputs):
-        if not isinstance(t, Tensor) or isinstance(t, DTensor):
-            continue
-        if use_local_output and i not in (_X, _TOPK_WEIGHTS):
-            continue  # the dispatcher sorts the tokens itself
-        t = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
-        out[i] = t.to_local(grad_placements=[Partial()]) if use_local_output else t
-    return tuple(out)
+    t = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+    return t.to_local(grad_placements=[Partial()]) if use_local_output else t
 
 
 def _reduce_from_tensor_parallel(y: Tensor, tp_mesh: DeviceMesh) -> Tensor:
@@ -225,6 +244,21 @@ def _check_dispatch_options(name: str, options: dict) -> dict:
     return dict(options)
 
 
+def _check_config(name: str, c) -> None:
+    """What the styles do not support in the experts' :class:`~torch_moe.nn.MoEConfig`."""
+    if c.precision != "bf16":
+        raise NotImplementedError(
+            f"{name}: expected precision='bf16' (plain expert GEMMs in the weights' dtype), "
+            f"but got precision={c.precision!r}"
+        )
+    if c.capacity_factor is not None:
+        raise NotImplementedError(
+            f"{name}: parallelized experts are dropless: expected capacity_factor=None, but "
+            f"got {c.capacity_factor} (the dispatcher's own capacity, per pair of ranks, is "
+            "a dispatch option of the expert-parallel styles)"
+        )
+
+
 class _ExpertStyle(ParallelStyle):
     """What the expert styles share: the checks at parallelize time, the partition of the
     weights and :func:`~torch.distributed.tensor.distribute_module` with the style's input and
@@ -246,9 +280,6 @@ class _ExpertStyle(ParallelStyle):
         """``output_fn`` of :func:`distribute_module`, or None."""
         return None
 
-    def _install_dispatch(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
-        """Hands the experts a dispatcher of their own (the expert-parallel styles)."""
-
     def _partition_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not isinstance(module, GroupedExperts):
             return
@@ -260,12 +291,14 @@ class _ExpertStyle(ParallelStyle):
                                        src_data_rank=self.src_data_rank)
             module.register_parameter(w, nn.Parameter(dparam, requires_grad=param.requires_grad))
 
+    def _distribute(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        distribute_module(experts, mesh, self._partition_fn, self._input_fn(mesh),
+                          self._output_fn(mesh))
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         experts = self._experts_of(module)
         self._check(experts, device_mesh)
-        distribute_module(experts, device_mesh, self._partition_fn,
-                          self._input_fn(device_mesh), self._output_fn(device_mesh))
-        self._install_dispatch(experts, device_mesh)
+        self._distribute(experts, device_mesh)
         return module
 
     def _experts_of(self, module: nn.Module) -> GroupedExperts:
@@ -278,30 +311,17 @@ class _ExpertStyle(ParallelStyle):
 
     def _check(self, experts: GroupedExperts, device_mesh: DeviceMesh) -> None:
         name = type(self).__name__
-        if experts._dispatch is not None or any(
-            isinstance(p, DTensor) for p in experts.parameters()
-        ):
+        if any(isinstance(p, DTensor) for p in experts.parameters()):
             raise ValueError(
-                f"{name}: the experts are already parallelized (their weights are DTensors or "
-                "a dispatch is installed); parallelize a module once"
+                f"{name}: the experts are already parallelized (their weights are DTensors); "
+                "parallelize a module once"
             )
         if device_mesh.ndim != self._mesh_ndim:
             raise ValueError(
                 f"{name}: expected a {self._mesh_ndim}-D device mesh, but got a "
                 f"{device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}"
             )
-        c = experts.config
-        if c.precision != "bf16":
-            raise NotImplementedError(
-                f"{name}: expected precision='bf16' (plain expert GEMMs in the weights' dtype), "
-                f"but got precision={c.precision!r}"
-            )
-        if c.capacity_factor is not None:
-            raise NotImplementedError(
-                f"{name}: parallelized experts are dropless: expected capacity_factor=None, but "
-                f"got {c.capacity_factor} (the dispatcher's own capacity, per pair of ranks, is "
-                "a dispatch option of the expert-parallel styles)"
-            )
+        _check_config(name, experts.config)
         self._check_sizes(experts, device_mesh)
 
     def __repr__(self) -> str:
@@ -309,14 +329,102 @@ class _ExpertStyle(ParallelStyle):
         return f"{type(self).__name__}({'' if options is None else f'dispatch_options={options}'})"
 
 
+class _PendingCall(NamedTuple):
+    """One forward of expert-parallel experts between its input function and its end."""
+
+    params: dict  # name -> the DTensor parameter whose local shard the forward computes on
+    dispatched: Optional[_Dispatched]  # the tokens on their way (None until dispatched)
+    ids_MW: Optional[Tensor]  # [M, W] the local expert ids of the received rows
+    load_G: Optional[Tensor]  # [G] the assignments each local expert computes
+
+
+class _ExpertParallelHooks:
+    """The forward hooks of one module's expert-parallel experts, over the ``ep`` group of mesh
+    dim 0 (and the ``tp`` mesh of dim 1 for :class:`ExpertTensorParallel`).
+
+    * :meth:`input_fn` (``input_fn`` of :func:`distribute_module`, a forward pre-hook): takes
+      ``(x [T, D], sorted_ids, offs, topk_weights [T, k], topk_ids [T, k])`` (the local sort is
+      not used: tokens go by the router's ids), swaps the registered DTensor weights for their
+      local shards (:func:`_local_expert_shard`), plans the rows, exchanges the header and the
+      rows with the ``ep`` group and returns the inputs of the local experts: ``(rows [M, D],
+      sorted_ids, offs [G], weights [M, W])``, the received rows sorted by local expert;
+    * the experts' ``forward``, the plain grouped FFN, computes the ``G`` local experts on them;
+    * :meth:`output_fn` (``output_fn``, a forward hook): sends every row's weighted expert sum
+      back to its token's rank and adds them up: ``y [T, D]``;
+    * :meth:`restore` (a forward hook that runs even when the forward raises): puts the DTensor
+      parameters back, as FSDP2 swaps its unsharded parameters in and out around a forward.
+
+    What a forward has in flight between its hooks is kept here, per thread (threads may be the
+    ranks of one process), not on the module.
+    """
+
+    def __init__(self, style: "_DispatchingStyle", mesh: DeviceMesh):
+        self.name = type(style).__name__
+        self.options = style.dispatch_options
+        self.ep_group = mesh.get_group(0)
+        self.ep_degree = mesh.size(0)
+        self.tp_mesh = _submesh(mesh, 1) if mesh.ndim == 2 else None
+        self._calls = threading.local()
+
+    def input_fn(self, module: GroupedExperts, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        if len(inputs) <= _TOPK_IDS or inputs[_TOPK_IDS] is None:
+            raise ValueError(
+                f"{self.name}: these experts are parallelized and route tokens themselves: "
+                "expected topk_ids, but got None (the router's ids are the fifth positional "
+                "input of GroupedExperts.forward, which MoE passes)")
+        c = module.config
+        _check_config(self.name, c)  # the config may have changed since parallelize time
+        x, topk_weights, topk_ids = inputs[_X], inputs[_TOPK_WEIGHTS], inputs[_TOPK_IDS]
+        if self.tp_mesh is not None:
+            x = _copy_to_tensor_parallel(x, self.tp_mesh, True)
+            topk_weights = _copy_to_tensor_parallel(topk_weights, self.tp_mesh, True)
+        call = _PendingCall({n: module._parameters[n] for n in _WEIGHTS
+                             if module._parameters.get(n) is not None}, None, None, None)
+        for name, param in call.params.items():
+            module._parameters[name] = _local_expert_shard(param, self.ep_degree)
+        self._calls.pending = call
+        try:
+            w1, w2, w3 = (module._parameters.get(n) for n in _WEIGHTS)
+            dispatched = _dispatch_tokens(
+                x.to(w1.dtype), topk_ids, topk_weights, w1, w2, w3,
+                num_experts=c.num_experts, group=self.ep_group, activation=c.activation,
+                alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.options)
+        except BaseException:
+            self.restore(module)
+            raise
+        rows, ids, weights = _received_rows(dispatched)
+        G = dispatched.layer.G
+        # the unused id G of a row's spare pairs sorts past the last local expert: dropped by
+        # offs[:G]
+        sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
+        self._calls.pending = call._replace(dispatched=dispatched, ids_MW=ids,
+                                            load_G=counts[:G])
+        return rows, sorted_ids, offs[:G], weights
+
+    def output_fn(self, module: GroupedExperts, out_MD: Tensor, device_mesh: DeviceMesh) -> Tensor:
+        call = self._calls.pending
+        y = _combine_rows(call.dispatched, out_MD, call.ids_MW, call.load_G)
+        if self.tp_mesh is not None:
+            y = _reduce_from_tensor_parallel(y, self.tp_mesh)
+        return y
+
+    def restore(self, module: GroupedExperts, *unused) -> None:
+        """Puts back the parameters of a pending call, if any (also a forward hook: ``unused``
+        are its inputs and output, or the inputs alone)."""
+        call = getattr(self._calls, "pending", None)
+        if call is not None:
+            module._parameters.update(call.params)
+            self._calls.pending = None
+
+
 class _DispatchingStyle(_ExpertStyle):
     """The expert-parallel styles: experts sharded on mesh dim 0 (``ep``), tokens moved to them
-    and back by :func:`~torch_moe.distributed.dispatch.expert_parallel_moe_ffn`.
+    and back in the experts' forward hooks (:class:`_ExpertParallelHooks`), with the steps of
+    :func:`~torch_moe.distributed.dispatch.expert_parallel_moe_ffn`.
 
-    The dispatcher needs every token's experts, which the module's inputs (a local token sort)
-    do not carry: :meth:`MoE.routed_forward` hands the router's ``topk_ids`` to experts that
-    have a ``GroupedExperts._dispatch``, which this style installs; it reads the parameters at
-    call time (``fully_shard`` swaps them in and out) and runs on their local shards.
+    The hooks read the parameters at call time: ``fully_shard`` applied to the experts after
+    the style registers its hooks in front of the style's pre-hook (all-gather over ``edp``
+    first, then the local ``ep`` shard of the gathered weight) and after its hooks.
     """
 
     def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None):
@@ -329,20 +437,10 @@ class _DispatchingStyle(_ExpertStyle):
         _check_divides(type(self).__name__, "num_experts", experts.config.num_experts, what,
                        mesh.size(0))
 
-    def _install_dispatch(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
-        experts._dispatch = functools.partial(self._dispatch, experts, mesh.get_group(0),
-                                              mesh.size(0))
-
-    def _dispatch(self, experts: GroupedExperts, ep_group, ep_degree: int, x: Tensor,
-                  topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        c = experts.config
-        w1 = experts.w1
-        return expert_parallel_moe_ffn(
-            x.to(w1.dtype), topk_ids, topk_weights, _local_expert_shard(w1, ep_degree),
-            _local_expert_shard(experts.w2, ep_degree), _local_expert_shard(experts.w3, ep_degree),
-            num_experts=c.num_experts, group=ep_group, activation=c.activation,
-            alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.dispatch_options,
-        )
+    def _distribute(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        hooks = _ExpertParallelHooks(self, mesh)
+        distribute_module(experts, mesh, self._partition_fn, hooks.input_fn, hooks.output_fn)
+        experts.register_forward_hook(hooks.restore, always_call=True)
 
 
 class ExpertParallel(_DispatchingStyle):
@@ -351,17 +449,26 @@ class ExpertParallel(_DispatchingStyle):
     Rank ``r`` of the ``R`` ranks holds experts ``r * E / R ... (r + 1) * E / R - 1``: every
     expert weight becomes a ``Shard(0)`` DTensor. In the forward each rank routes its own tokens
     ``x [T, D]`` (T may differ between ranks), sends every (token, expert) assignment to the
-    rank of that expert and gets the expert outputs back, with
+    rank of that expert and gets the expert outputs back, with the steps of
     :func:`torch_moe.distributed.dispatch.expert_parallel_moe_ffn` over ``device_mesh``'s
-    process group (one host synchronisation per layer call; every EP rank must call the layer
-    the same number of times). The result and the token gradients equal the unsharded layer's
-    on the tokens of all ranks; the expert weight gradients are the mean over the ranks' token
-    sets (the unsharded layer's divided by ``R``), as data parallelism averages.
+    process group, in the experts' forward hooks (one host synchronisation per layer call;
+    every EP rank must call the layer the same number of times). The result and the token
+    gradients equal the unsharded layer's on the tokens of all ranks; the expert weight
+    gradients are the mean over the ranks' token sets (the unsharded layer's divided by ``R``),
+    as data parallelism averages.
 
     Keyword Args:
         dispatch_options (dict, optional): extra keyword arguments of
             :func:`~torch_moe.distributed.dispatch.expert_parallel_moe_ffn`, passed as given;
-            unknown keys raise at parallelize time.
+            unknown keys raise at parallelize time. They mean what they mean there, with one
+            difference in what ``num_chunks`` overlaps: every chunk's rows travel in all-to-alls
+            of their own, all of them started before the first is waited for, so the chunks'
+            exchanges are in flight together; but the experts' ``forward`` runs between the two
+            hooks, on the rows of all chunks at once (one grouped FFN, after the last chunk has
+            arrived), and the chunks' results start back after it. Under the style the
+            exchanges therefore do not overlap the expert compute, as they do when
+            ``expert_parallel_moe_ffn`` is called directly. The results do not depend on
+            ``num_chunks``.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -402,14 +509,6 @@ class ExpertTensorParallel(_DispatchingStyle):
         _check_divides(type(self).__name__, "hidden_dim", experts.config.hidden_dim,
                        "tensor-parallel (mesh dim 1)", mesh.size(1))
 
-    def _input_fn(self, mesh: DeviceMesh):
-        tp_mesh = _submesh(mesh, 1)
-        return lambda mod, inputs, device_mesh: _copy_to_tensor_parallel(inputs, tp_mesh, True)
-
-    def _output_fn(self, mesh: DeviceMesh):
-        tp_mesh = _submesh(mesh, 1)
-        return lambda mod, y, device_mesh: _reduce_from_tensor_parallel(y, tp_mesh)
-
 
 class TensorParallelExperts(_ExpertStyle):
     """Tensor parallel for every expert, without expert parallelism, on a 1-D ``tp`` mesh.
@@ -433,8 +532,16 @@ class TensorParallelExperts(_ExpertStyle):
                        "tensor-parallel", mesh.size())
 
     def _input_fn(self, mesh: DeviceMesh):
-        return lambda mod, inputs, device_mesh: _copy_to_tensor_parallel(inputs, device_mesh,
-                                                                         False)
+        def input_fn(mod, inputs, device_mesh):
+            # the FFN's inputs (x, sorted_ids, offs, topk_weights) as Replicate DTensors; the
+            # router's topk_ids, which the FFN does not read, stay as they are
+            return tuple(
+                _copy_to_tensor_parallel(t, device_mesh, False)
+                if i < _FFN_INPUTS and isinstance(t, Tensor) and not isinstance(t, DTensor)
+                else t
+                for i, t in enumerate(inputs))
+
+        return input_fn
 
     def _output_fn(self, mesh: DeviceMesh):
         return lambda mod, y, device_mesh: _reduce_from_tensor_parallel(y, device_mesh)

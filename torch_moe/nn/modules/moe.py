@@ -15,7 +15,7 @@ Weight layout (GEMM layout, ``x @ w``; an ``nn.Linear`` stores the transpose):
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn, Tensor
@@ -241,17 +241,16 @@ class GroupedExperts(nn.Module):
     The GEMMs run in the parameters' dtype (fp32 parameters compute in fp32); tokens are cast
     to it.
 
-    Attributes:
-        _dispatch: ``None``, or a callable ``(x [T, D], topk_ids [T, k], topk_weights [T, k])
-            -> y [T, D]`` installed by a ParallelStyle of :mod:`torch_moe.distributed.parallel`
-            (expert or tensor parallel experts). It takes the router's ``topk_ids`` rather
-            than the sorted ids, because tokens must reach the rank that holds their expert;
-            :meth:`MoE.routed_forward` then skips the token sort and calls
-            ``forward(x, None, None, topk_weights, topk_ids=topk_ids)``, which runs it. Going
-            through ``__call__`` keeps module hooks (``fully_shard``'s unshard) working.
+    ``forward`` is the grouped FFN of the rows it is given, whoever sorted them: it reads its
+    weights at call time and knows nothing of where the rows came from. The ParallelStyles of
+    :mod:`torch_moe.distributed.parallel` build on that with the forward hooks of
+    :func:`~torch.distributed.tensor.distribute_module`. Under expert parallelism the weights
+    are DTensors sharded on the expert dim; the pre-hook sends the tokens, by the router's
+    ``topk_ids``, to the ranks that hold their experts and hands ``forward`` the rows that
+    arrive, sorted by local expert; for the call it puts the local expert shards in place of
+    the parameters. The post-hook sends the results back. Under tensor parallelism ``forward``
+    runs on the DTensors themselves.
     """
-
-    _dispatch: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
 
     def __init__(self, config: MoEConfig, device=None, dtype=None):
         super().__init__()
@@ -270,13 +269,10 @@ class GroupedExperts(nn.Module):
             _init_expert_weight(self.w3, self.config.dim)
 
     def forward(self, x_TD, sorted_ids, offs, topk_weights, topk_ids=None) -> Tensor:
-        """``sorted_ids`` / ``offs`` from ``token_sort(..., align=group_alignment(precision))``;
-        with a :attr:`_dispatch` installed, ``topk_ids [T, k]`` instead (see above)."""
-        if self._dispatch is not None:
-            if topk_ids is None:
-                raise ValueError("GroupedExperts: these experts are parallelized and route tokens "
-                                 "themselves: expected topk_ids, but got None")
-            return _own_tensor(self._dispatch(x_TD, topk_ids, topk_weights))
+        """``y [T, D]`` of ``x [T, D]``: ``sorted_ids`` / ``offs`` from ``token_sort(...,
+        align=group_alignment(precision))``, routing weights ``topk_weights [T, k]``.
+        ``topk_ids [T, k]``, the router's expert ids, are not read here (the sort carries them):
+        :class:`MoE` passes them for forward pre-hooks that move the tokens by expert."""
         C.check_tokens("GroupedExperts", "x", x_TD, self.config.dim)
         c = self.config
         if c.precision != "bf16":
@@ -519,26 +515,19 @@ class MoE(nn.Module):
             topk_weights = self._attach_aux_loss(topk_weights, aux_loss)
         capacity = self.capacity(x_TD.size(0))
         align = group_alignment(c.precision)
-        if getattr(self.experts, "_dispatch", None) is not None:
-            # parallelized experts (torch_moe.distributed.parallel) move the tokens themselves;
-            # the counts are this rank's assignments, as in the unsharded layer
-            if capacity is not None:
-                raise NotImplementedError("MoE: parallelized experts are dropless, but the "
-                                          f"config has capacity_factor={c.capacity_factor}")
-            ids = topk_ids.reshape(-1).long()
-            counts = torch.zeros(c.num_experts, dtype=torch.int64, device=ids.device)
-            counts.scatter_add_(0, ids, torch.ones_like(ids))
+        # Under expert parallelism (torch_moe.distributed.parallel) the experts' pre-hook sends
+        # the tokens to other ranks by topk_ids and sorts the rows that arrive: this sort's ids
+        # and offsets are then unused (one token_sort per call wasted, so that the layer need
+        # not know how its experts run); its counts are this rank's assignments either way.
+        if capacity is None:
+            sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(
+                topk_ids, c.num_experts, align)
             dropped = None
-            y = self.experts(x_TD, None, None, topk_weights, topk_ids=topk_ids)
         else:
-            if capacity is None:
-                sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(
-                    topk_ids, c.num_experts, align)
-                dropped = None
-            else:
-                sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
-                    topk_ids, topk_weights, c.num_experts, capacity, align)
-            y = self.experts(x_TD, sorted_ids, offs, topk_weights)
+            sorted_ids, offs, counts, dropped = F_moe.token_sort_with_capacity(
+                topk_ids, topk_weights, c.num_experts, capacity, align)
+        # topk_ids positionally: a forward pre-hook sees the positional inputs only
+        y = self.experts(x_TD, sorted_ids, offs, topk_weights, topk_ids)
         return y, counts, dropped, aux_loss
 
     @torch.no_grad()
