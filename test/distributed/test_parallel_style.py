@@ -13,6 +13,8 @@ gradients divided by the number of data-parallel token sets: the mean DDP and FS
 * parallelize-time errors: module type, mesh rank, divisibility, already parallelized,
   precision, capacity factor, unknown dispatch options;
 * weight placements after ``parallelize_module``;
+* a style sets nothing on the experts but their parameters and hooks (and ``distribute_module``'s
+  mark), and a forward, also one that raises, leaves the DTensor parameters registered;
 * ``ExpertParallel`` at EP=4 (1-D mesh) and EP=2 (the ``ep`` dim of a 2 x 2 mesh), gated and
   non-gated, with shared experts, and the per-rank ``tokens_per_expert``; with the
   dispatcher's ``dedup`` / ``num_chunks`` options when it has them;
