@@ -34,7 +34,8 @@ if HAS_DIST:
     from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
 
     from torch_moe.distributed.dispatch import reset_dispatch_counters
-    from torch_moe.distributed.parallel import ExpertParallel
+    from torch_moe.distributed.parallel import (
+        ExpertParallel, ExpertTensorParallel, TensorParallelExperts)
 else:  # keep the module importable so that the class below is reported as skipped
     DTensorOpTestBase = TestCase
 
@@ -127,6 +128,51 @@ class TestFSDPOutputViews(DTensorOpTestBase):
                                 shard_placement_fn=lambda p: Shard(1))
                     fully_shard(model, mesh=mesh["edp", "ep"]._flatten("dp"))
                     self._check(model, ref, (4, 8))
+
+    def test_tensor_parallel_experts_recipe(self):
+        # the experts' output is summed over tp by the styles' output function: with fully_shard
+        # on the experts it must not be a view either
+        for in_place in ("add_", "mul_"):
+            with self.subTest(in_place=in_place):
+                model = _Block(in_place, num_shared_experts=1, load_balance_coeff=0.1)
+                ref = copy.deepcopy(model)
+                mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "tp"))
+                parallelize_module(model.moe, mesh["tp"], TensorParallelExperts())
+                fully_shard(model.moe.experts, mesh=mesh["edp"],
+                            shard_placement_fn=lambda p: Shard(1))
+                fully_shard(model, mesh=mesh["edp"])
+                self._check_replicated(model, ref, (4, 8))
+
+    def test_expert_tensor_parallel_recipe(self):
+        for in_place in ("add_", "mul_"):
+            with self.subTest(in_place=in_place):
+                reset_dispatch_counters()
+                model = _Block(in_place, num_shared_experts=1, load_balance_coeff=0.1)
+                ref = copy.deepcopy(model)
+                mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("edp", "ep", "tp"))
+                parallelize_module(model.moe, mesh["ep", "tp"], ExpertTensorParallel())
+                fully_shard(model.moe.experts, mesh=mesh["edp"],
+                            shard_placement_fn=lambda p: Shard(1))
+                fully_shard(model, mesh=mesh["edp"])
+                self._check_replicated(model, ref, (4, 8))
+
+    def _check_replicated(self, model, ref, shape):
+        """Forward / backward of ``model`` on tokens replicated over the tensor-parallel ranks
+        against the unsharded ``ref`` on the same tokens."""
+        xs, gs = global_tokens(self.world_size)
+        x0, g0 = xs[0][:4].reshape(shape), gs[0][:4].reshape(shape)
+        x = x0.clone().requires_grad_()
+        with self._view_warnings() as found:
+            y = model(x)
+            y.backward(g0)
+        self.assertEqual(found, [], msg=f"fully_shard warned: {found}")
+        ref_x = x0.clone().requires_grad_()
+        ref(ref_x).backward(g0)
+        self.assertEqual(x.grad, ref_x.grad, atol=1e-6, rtol=1e-6)
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            self.assertEqual(grad, ref_params[name].grad, atol=1e-6, rtol=1e-6, msg=name)
 
     def test_fully_shard_moe_and_experts(self):
         # data parallel, every module of the layer its own FSDP unit; [B, L, D] tokens and

@@ -133,6 +133,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 # the sharding strategies of torch_moe's ops, which TensorParallelExperts runs on DTensors
 import torch_moe.distributed.tensor  # noqa: F401
+from torch_moe.distributed._compat import wait_tensor
 from torch_moe.distributed.dispatch import (
     _combine_rows,
     _Dispatched,
@@ -210,12 +211,17 @@ def _copy_to_tensor_parallel(t: Tensor, tp_mesh: DeviceMesh, use_local_output: b
 
 def _reduce_from_tensor_parallel(y: Tensor, tp_mesh: DeviceMesh) -> Tensor:
     """The experts' output ``y [T, D]``, a partial sum over the F shards of ``tp_mesh`` (a
-    ``Partial`` DTensor, or its local tensor), summed over it: a functional all-reduce, which
-    waits on first use. The sum is replicated, so the gradient of every rank's partial output
-    is the gradient of the sum, unchanged."""
+    ``Partial`` DTensor, or its local tensor), summed over it: a functional all-reduce. The sum
+    is replicated, so the gradient of every rank's partial output is the gradient of the sum,
+    unchanged.
+
+    The result is copied out of ``to_local()``'s view: the experts' output must be a tensor of
+    its own, because ``fully_shard`` registers its pre-backward hook on it and an in-place op on
+    a view (``y += shared(x)``) would drop that hook. The copy waits for the all-reduce here,
+    so it does not overlap the shared experts."""
     if not isinstance(y, DTensor):
         y = DTensor.from_local(y, tp_mesh, [Partial()], run_check=False)
-    return y.redistribute(tp_mesh, [Replicate()], async_op=True).to_local()
+    return y.redistribute(tp_mesh, [Replicate()]).to_local().clone()
 
 
 def _check_divides(name: str, what: str, size: int, mesh_what: str, degree: int) -> None:
@@ -408,13 +414,20 @@ class _ExpertParallelHooks:
             y = _reduce_from_tensor_parallel(y, self.tp_mesh)
         return y
 
-    def restore(self, module: GroupedExperts, *unused) -> None:
-        """Puts back the parameters of a pending call, if any (also a forward hook: ``unused``
-        are its inputs and output, or the inputs alone)."""
+    def restore(self, module: GroupedExperts, inputs=None, output=None) -> None:
+        """Puts back the parameters of a pending call, if any. Also the experts' last forward
+        hook, called even when the forward raised (then ``output`` is None)."""
         call = getattr(self._calls, "pending", None)
-        if call is not None:
-            module._parameters.update(call.params)
-            self._calls.pending = None
+        if call is None:
+            return
+        module._parameters.update(call.params)
+        self._calls.pending = None
+        if output is None and call.dispatched is not None:
+            # The forward raised after every rank started this call's exchange: wait for it,
+            # so that no collective is left in flight (c10d warns about those at exit).
+            for received in call.dispatched.received:
+                for t in received:
+                    wait_tensor(t)
 
 
 class _DispatchingStyle(_ExpertStyle):
