@@ -30,7 +30,7 @@ from _malformed import Case, malformed_tests  # noqa: E402
 from torch_moe.distributed import checkpoint as ckpt  # noqa: E402
 from torch_moe.distributed._tools import (  # noqa: E402
     H100,
-    LOCAL_CPU_NOTES,
+    REFERENCE_CPU,
     DeviceProfile,
     MoELayerSpec,
     MoEStrategy,
@@ -521,7 +521,7 @@ TOOLS_CASES = [
                                 load=torch.ones(8, dtype=torch.bool)), ValueError,
          needles=("load", "integer or floating", "torch.bool")),
     Case(f"{TOOLS}.moe_layer_cost", "precision_the_device_lacks",
-         lambda: moe_layer_cost(LAYER, MoEStrategy(precision="mxfp8"), LOCAL_CPU_NOTES, 10),
+         lambda: moe_layer_cost(LAYER, MoEStrategy(precision="mxfp8"), REFERENCE_CPU, 10),
          ValueError, needles=("no mxfp8 GEMMs", "expected one of")),
     Case(f"{TOOLS}.moe_layer_cost", "no_tokens",
          lambda: moe_layer_cost(LAYER, MoEStrategy(ep=2), H100, 0),

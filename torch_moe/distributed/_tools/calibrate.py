@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from torch_moe.distributed._tools.device_profiles import LOCAL_CPU_NOTES, DeviceProfile
+from torch_moe.distributed._tools.device_profiles import REFERENCE_CPU, DeviceProfile
 
 __all__ = [
     "measure_gemm_curve",
@@ -471,11 +471,11 @@ def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False,
     if group is not None:
         alpha, bw = measure_all_to_all(group, reps=reps)
     else:
-        alpha, bw = LOCAL_CPU_NOTES.intra_node_latency_s, LOCAL_CPU_NOTES.intra_node_bandwidth_Bps
+        alpha, bw = REFERENCE_CPU.intra_node_latency_s, REFERENCE_CPU.intra_node_bandwidth_Bps
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        ram = LOCAL_CPU_NOTES.memory_bytes
+        ram = REFERENCE_CPU.memory_bytes
     parts = DeviceProfile(
         name=name,
         peak_flops={"bf16": peak_bf16, "fp32": peak_fp32},

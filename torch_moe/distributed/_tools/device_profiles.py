@@ -26,7 +26,7 @@ __all__ = [
     "H200",
     "B200",
     "MI300X",
-    "LOCAL_CPU_NOTES",
+    "REFERENCE_CPU",
     "get_profile",
     "known_profiles",
 ]
@@ -102,8 +102,8 @@ class DeviceProfile:
             ``rows`` rows, N and K being layer sized. Interpolated linearly in the rows (at the
             tile-padded row count), and required to grow no faster than the rows.
         wgrad_efficiency: the same for the weight-gradient form, where the token dimension is
-            the contraction (K): these are slower for few rows (see the CPU notes: 61 against
-            139 GFLOP/s for 32-row groups).
+            the contraction (K), measured apart because the two forms differ for few rows
+            (0.26 against 0.37 of peak for 32-row groups on :data:`REFERENCE_CPU`).
         precision_efficiency: multiplier of the curves per precision (quantized GEMMs reach a
             lower fraction of their higher peak); 1.0 when absent.
         gemm_call_s: fixed cost of one GEMM call (one ``torch.mm`` in the CPU loop; one grouped
@@ -343,33 +343,38 @@ MI300X = DeviceProfile(
 
 _MiB = 2**20
 
-# The development CPU as /work/shared/docs/cpu-performance-notes.md measured it (2 Zen 4 cores,
-# torch 2.13 CPU): a starting point until :func:`calibrate.calibrate_local` measures the machine
-# at hand. bf16 dense GEMM ~400 GFLOP/s, fp32 ~185; a loop of mm over 32-row groups reaches 139
-# GFLOP/s and the weight-gradient form 61; copy_ ~30 GB/s; gloo all_to_all_single ~1 ms per
-# call then ~1 GB/s per rank; fresh allocations above 32 MiB page-fault at ~0.3 ms per MiB.
-LOCAL_CPU_NOTES = DeviceProfile(
-    name="local-cpu-notes",
-    peak_flops={"bf16": 400e9, "fp32": 185e9},
-    memory_bytes=16 * _GB,
-    memory_bandwidth_Bps=30 * _GB,
-    intra_node_bandwidth_Bps=1 * _GB,
-    intra_node_latency_s=1e-3,
-    inter_node_bandwidth_Bps=1 * _GB,
-    inter_node_latency_s=1e-3,
+# A 2-core AMD EPYC (Zen 4, AVX-512 BF16; 24 GiB; torch 2.13.0+cpu, 2 threads) as
+# ``python benchmarks/cpu_profile.py`` measured it on 2026-12-01: three calibrate_local runs
+# averaged, all_to_all_single fitted over 2 gloo processes (the table is in benchmarks/README.md).
+# A starting point for a CPU; calibrate_local measures the machine at hand.
+REFERENCE_CPU = DeviceProfile(
+    name="reference-cpu",
+    peak_flops={"bf16": 869e9, "fp32": 196e9},
+    memory_bytes=24 * _GB,
+    memory_bandwidth_Bps=54 * _GB,
+    intra_node_bandwidth_Bps=5.32 * _GB,
+    intra_node_latency_s=1.9e-4,
+    inter_node_bandwidth_Bps=5.32 * _GB,
+    inter_node_latency_s=1.9e-4,
     gemm_tile_rows=1,
-    gemm_efficiency=((32, 139 / 400), (4096, 1.0)),
-    wgrad_efficiency=((32, 61 / 400), (4096, 1.0)),
-    gemm_call_s=5e-6,
-    per_group_s=2e-6,
+    gemm_call_s=0.0,
+    gemm_efficiency=((1, 0.0118), (4, 0.0472), (16, 0.1507), (32, 0.2556), (64, 0.3948),
+                     (128, 0.5056), (256, 0.5496), (512, 0.6472), (1024, 0.7911),
+                     (2048, 0.7912), (4096, 0.7219)),
+    wgrad_efficiency=((1, 0.015), (4, 0.0598), (16, 0.2063), (32, 0.3651), (64, 0.5218),
+                      (128, 0.5838), (256, 0.5481), (512, 0.5943), (1024, 0.6308),
+                      (2048, 0.6338), (4096, 0.5758)),
+    per_group_s=7.9e-6,
+    elementwise_bandwidth_Bps=28 * _GB,
+    layer_overhead_s=8.4e-4,
     fresh_alloc_threshold_bytes=32 * _MiB,
-    page_fault_s_per_byte=0.3e-3 / _MiB,
-    sources=("/work/shared/docs/cpu-performance-notes.md",),
+    page_fault_s_per_byte=0.24e-3 / _MiB,
+    sources=("benchmarks/README.md, 'The built-in cpu profile' (python benchmarks/cpu_profile.py)",),
 )
 
-_PROFILES = {p.name: p for p in (H100, H200, B200, MI300X, LOCAL_CPU_NOTES)}
+_PROFILES = {p.name: p for p in (H100, H200, B200, MI300X, REFERENCE_CPU)}
 _ALIASES = {"h100": "H100-SXM", "h200": "H200-SXM", "b200": "B200", "mi300x": "MI300X",
-            "cpu": "local-cpu-notes"}
+            "cpu": "reference-cpu"}
 
 
 def known_profiles() -> tuple[str, ...]:

@@ -214,7 +214,8 @@ def scale_bytes(precision: str, rows: float, cols: int) -> float:
 
     FP8 rowwise: one fp32 scale per row. MXFP8: one E8M0 byte per 32-element block, in the
     swizzled layout Blackwell GEMMs read, padded to 128-row x 4-column tiles
-    (``round_up(rows, 128) * round_up(ceil(cols / 32), 4)``, fp8-mxfp8-notes.md section 1.5).
+    (``round_up(rows, 128) * round_up(ceil(cols / 32), 4)``: the 128 x 4 padding of
+    https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/api/c/swizzle.html).
     bf16 / fp32: none.
     """
     if precision not in PRECISIONS:
