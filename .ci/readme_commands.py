@@ -39,6 +39,7 @@ SHORT_FORMS = {
     "python benchmarks/sparsity_sweep.py": "python benchmarks/sparsity_sweep.py --quick",
     "python benchmarks/ops.py": "python benchmarks/ops.py --quick",
     "python benchmarks/moe_layer.py": "python benchmarks/moe_layer.py --quick",
+    "python tools/import_graph.py": "python tools/import_graph.py",
 }
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
