@@ -21,7 +21,6 @@ PyTorch has no public spelling of either; the functions here keep the signatures
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -36,12 +35,18 @@ __all__ = [
 ]
 
 
-@functools.cache
-def _funcol():
-    # imported on first use: importing torch_moe must not initialise the collectives
-    import torch.distributed._functional_collectives as funcol
+_FUNCOL = None
 
-    return funcol
+
+def _funcol():
+    # Imported on first use: importing torch_moe must not initialise the collectives. A module
+    # global rather than functools.cache, which Dynamo traces through with a warning.
+    global _FUNCOL
+    if _FUNCOL is None:
+        import torch.distributed._functional_collectives as funcol
+
+        _FUNCOL = funcol
+    return _FUNCOL
 
 
 def all_to_all_single_autograd(
