@@ -23,7 +23,7 @@ PACKAGE = "torch_moe"
 # (room, module prefixes), lowest first; the first matching prefix wins, so list the longer first
 ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("refs", ("torch_moe._refs",)),
-    ("core", ("torch_moe._compat", "torch_moe._ops", "torch_moe._meta_registrations",
+    ("core", ("torch_moe._compat", "torch_moe._import_hook", "torch_moe._ops", "torch_moe._meta_registrations",
               "torch_moe._autograd", "torch_moe._checks", "torch_moe._functional_ops",
               "torch_moe._native", "torch_moe._triton")),
     ("quantization", ("torch_moe.quantization",)),

@@ -33,7 +33,7 @@ _inductor_support.install()
 # with torch.distributed.tensor: here when the program already uses DTensor, else right after
 # its first import. A DTensor cannot exist before, and importing torch.distributed.tensor costs
 # about two seconds that non-distributed users skip.
-from torch_moe._inductor._import_hook import call_after_import  # noqa: E402
+from torch_moe._import_hook import call_after_import  # noqa: E402
 
 
 def _register_dtensor_support() -> None:

@@ -12,7 +12,7 @@
 They must be registered before the first compile (Inductor caches its decomposition table on
 first use), but importing Inductor costs seconds that eager users should not pay. So
 ``import torch_moe`` registers them at once if Inductor is already loaded, and otherwise when
-``torch._inductor.lowering`` is first imported (:mod:`torch_moe._inductor._import_hook`).
+``torch._inductor.lowering`` is first imported (:mod:`torch_moe._import_hook`).
 Inductor and Dynamo are reached through one adapter, :mod:`torch_moe._inductor._compat`.
 
 Registering also adds a hash of torch_moe's sources to ``torch.compiler.config.cache_key_tag``.
@@ -64,6 +64,6 @@ def install() -> None:
     if inductor.lowering_module_loaded():
         register()
     else:
-        from torch_moe._inductor._import_hook import call_after_import
+        from torch_moe._import_hook import call_after_import
 
         call_after_import(inductor.LOWERING_MODULE, register)

@@ -1,8 +1,10 @@
 """Runs a callback right after a module is first imported.
 
 A ``sys.meta_path`` finder that wraps the loader of one module: once the module has executed,
-the callback runs (and the finder removes itself). Used to register Inductor lowerings without
-importing Inductor in processes that never compile.
+the callback runs (and the finder removes itself). ``import torch_moe`` registers its Inductor
+lowerings this way when ``torch._inductor.lowering`` loads, and its DTensor support when
+``torch.distributed.tensor`` does, so that processes that never compile or never use DTensor
+do not pay for importing them.
 """
 
 import importlib.abc
@@ -37,7 +39,10 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
 
 
 def call_after_import(name: str, callback: Callable[[], None]) -> None:
+    """Runs ``callback`` now if module ``name`` is imported, else right after its first import.
+    Asking again for the same module and callback before that import does nothing."""
     if name in sys.modules:
         callback()
-    elif not any(isinstance(f, _CallAfterImport) and f.name == name for f in sys.meta_path):
+    elif not any(isinstance(f, _CallAfterImport) and f.name == name and f.callback == callback
+                 for f in sys.meta_path):
         sys.meta_path.insert(0, _CallAfterImport(name, callback))
