@@ -235,6 +235,34 @@ class TestParallelStyle(DTensorOpTestBase):
         # and the layer works again
         self.assertEqual(moe(xs[self.rank]).shape, xs[self.rank].shape)
 
+    def test_expert_parallel_after_an_interrupted_forward(self):
+        # A KeyboardInterrupt skips the always-called forward hook that puts the parameters
+        # back; the next forward must still compute on (and send gradients to) the DTensor
+        # parameters, as a layer that was never interrupted does.
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        moe, fresh = make_moe(), make_moe()
+        parallelize_module(moe, mesh, ExpertParallel())
+        parallelize_module(fresh, mesh, ExpertParallel())
+        params = dict(moe.experts.named_parameters())
+        xs, gs = global_tokens(self.world_size)
+
+        def interrupt(module, inputs):
+            raise KeyboardInterrupt
+
+        handle = moe.experts.register_forward_pre_hook(interrupt)
+        with self.assertRaises(KeyboardInterrupt):
+            moe(xs[self.rank])
+        handle.remove()
+        y, y_fresh = moe(xs[self.rank]), fresh(xs[self.rank])
+        y.backward(gs[self.rank])
+        y_fresh.backward(gs[self.rank])
+        self.assertEqual(y, y_fresh)
+        for name, p in params.items():
+            self.assertIs(moe.experts._parameters[name], p)
+            fresh_p = dict(fresh.experts.named_parameters())[name]
+            self.assertIsInstance(p.grad, DTensor, msg=name)
+            self.assertEqual(p.grad.full_tensor(), fresh_p.grad.full_tensor(), msg=name)
+
     # -----------------------------------------------------------------------------------------
     # numerics against the unsharded layer
     # -----------------------------------------------------------------------------------------

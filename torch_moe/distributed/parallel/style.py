@@ -366,7 +366,7 @@ class _ExpertParallelHooks:
 
     def __init__(self, style: "_DispatchingStyle", mesh: DeviceMesh):
         self.name = type(style).__name__
-        self.options = style.dispatch_options
+        self.options = dict(style.dispatch_options)  # checked at parallelize time
         self.ep_group = mesh.get_group(0)
         self.ep_degree = mesh.size(0)
         self.tp_mesh = _submesh(mesh, 1) if mesh.ndim == 2 else None
@@ -384,6 +384,10 @@ class _ExpertParallelHooks:
         if self.tp_mesh is not None:
             x = _copy_to_tensor_parallel(x, self.tp_mesh, True)
             topk_weights = _copy_to_tensor_parallel(topk_weights, self.tp_mesh, True)
+        # A call whose hooks a KeyboardInterrupt (or another BaseException, which skips
+        # always-called forward hooks) cut short left its local shards in place: put the
+        # DTensor parameters back before reading them again.
+        self.restore(module)
         call = _PendingCall({n: module._parameters[n] for n in _WEIGHTS
                              if module._parameters.get(n) is not None}, None, None, None)
         for name, param in call.params.items():
@@ -395,36 +399,39 @@ class _ExpertParallelHooks:
                 x.to(w1.dtype), topk_ids, topk_weights, w1, w2, w3,
                 num_experts=c.num_experts, group=self.ep_group, activation=c.activation,
                 alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.options)
+            call = self._calls.pending = call._replace(dispatched=dispatched)
+            rows, ids, weights = _received_rows(dispatched)
+            G = dispatched.layer.G
+            # the unused id G of a row's spare pairs sorts past the last local expert: dropped
+            # by offs[:G]
+            sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
         except BaseException:
             self.restore(module)
             raise
-        rows, ids, weights = _received_rows(dispatched)
-        G = dispatched.layer.G
-        # the unused id G of a row's spare pairs sorts past the last local expert: dropped by
-        # offs[:G]
-        sorted_ids, offs, counts = torch.ops.torch_moe.token_sort(ids, G + 1)
-        self._calls.pending = call._replace(dispatched=dispatched, ids_MW=ids,
-                                            load_G=counts[:G])
+        self._calls.pending = call._replace(ids_MW=ids, load_G=counts[:G])
         return rows, sorted_ids, offs[:G], weights
 
     def output_fn(self, module: GroupedExperts, out_MD: Tensor, device_mesh: DeviceMesh) -> Tensor:
         call = self._calls.pending
         y = _combine_rows(call.dispatched, out_MD, call.ids_MW, call.load_G)
+        # the exchange is consumed: nothing of this call is in flight any more
+        self._calls.pending = call._replace(dispatched=None)
         if self.tp_mesh is not None:
             y = _reduce_from_tensor_parallel(y, self.tp_mesh)
         return y
 
     def restore(self, module: GroupedExperts, inputs=None, output=None) -> None:
-        """Puts back the parameters of a pending call, if any. Also the experts' last forward
-        hook, called even when the forward raised (then ``output`` is None)."""
+        """Puts back the parameters of a pending call, if any, and waits for the exchange of a
+        call that did not reach its combine. Also the experts' last forward hook, called even
+        when the forward raised an ``Exception``."""
         call = getattr(self._calls, "pending", None)
         if call is None:
             return
         module._parameters.update(call.params)
         self._calls.pending = None
-        if output is None and call.dispatched is not None:
-            # The forward raised after every rank started this call's exchange: wait for it,
-            # so that no collective is left in flight (c10d warns about those at exit).
+        if call.dispatched is not None:
+            # Every rank started this call's exchange: wait for it, so that no collective is
+            # left in flight (c10d warns about those at exit).
             for received in call.dispatched.received:
                 for t in received:
                     wait_tensor(t)
