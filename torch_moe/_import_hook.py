@@ -8,23 +8,27 @@ do not pay for importing them.
 """
 
 import importlib.abc
-import importlib.machinery
 import sys
 from typing import Callable
 
 
 class _CallAfterImport(importlib.abc.MetaPathFinder):
-    def __init__(self, name: str, callback: Callable[[], None]):
-        self.name, self.callback = name, callback
+    """The finder of one module: wraps its loader so that ``callbacks`` run, in order, once
+    the module has executed."""
+
+    def __init__(self, name: str):
+        self.name, self.callbacks = name, []
 
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        # the spec the other finders give (this one has left sys.meta_path)
+        spec = next((found for finder in sys.meta_path
+                     if (found := finder.find_spec(fullname, path, target)) is not None), None)
         if spec is None or spec.loader is None:
             return spec
-        loader, callback = spec.loader, self.callback
+        loader, callbacks = spec.loader, self.callbacks
 
         class _Loader(importlib.abc.Loader):
             def create_module(self, spec):
@@ -32,17 +36,24 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 loader.exec_module(module)
-                callback()
+                for callback in callbacks:
+                    callback()
 
         spec.loader = _Loader()
         return spec
 
 
 def call_after_import(name: str, callback: Callable[[], None]) -> None:
-    """Runs ``callback`` now if module ``name`` is imported, else right after its first import.
-    Asking again for the same module and callback before that import does nothing."""
+    """Runs ``callback`` now if module ``name`` is imported, else right after its first import
+    (after the callbacks asked for earlier). Asking again for the same module and callback
+    before that import does nothing."""
     if name in sys.modules:
         callback()
-    elif not any(isinstance(f, _CallAfterImport) and f.name == name and f.callback == callback
-                 for f in sys.meta_path):
-        sys.meta_path.insert(0, _CallAfterImport(name, callback))
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _CallAfterImport) and f.name == name),
+                  None)
+    if finder is None:
+        finder = _CallAfterImport(name)
+        sys.meta_path.insert(0, finder)
+    if callback not in finder.callbacks:
+        finder.callbacks.append(callback)
