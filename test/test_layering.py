@@ -86,6 +86,17 @@ class TestRules(TestCase):
             "reference shares code: torch_moe._refs:1 imports torch_moe._native.activation"
         ])
 
+    def test_library_using_a_reference_is_found(self):
+        root = _package({
+            "__init__.py": "",
+            "_refs/__init__.py": "",
+            "nn/__init__.py": "",
+            "nn/functional.py": "from torch_moe._refs import moe_ffn_ref\n",
+        })
+        self.assertEqual(_violations(root), [
+            "library uses a reference: torch_moe.nn.functional:1 imports torch_moe._refs"
+        ])
+
     def test_downward_imports_are_fine(self):
         root = _package({
             "__init__.py": "from torch_moe import distributed, nn\n",

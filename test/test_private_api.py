@@ -52,11 +52,56 @@ def _private_prefix(name: str):
     return None
 
 
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Local names bound to torch modules or objects by imports: ``import torch.distributed as
+    dist`` -> ``{"dist": "torch.distributed"}``, ``from torch.nn import functional as F`` ->
+    ``{"F": "torch.nn.functional"}``."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name.split(".")[0] == "torch":
+                    names[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] == "torch":
+                for a in node.names:
+                    names[a.asname or a.name] = f"{node.module}.{a.name}"
+    return names
+
+
+def _string(node: ast.AST):
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _names_in_call(node: ast.Call, resolve) -> list[str]:
+    """``getattr(obj, "_name")`` / ``hasattr``: ``obj._name``; ``importlib.import_module("m")``
+    and ``__import__("m")``: ``m``."""
+    func = _dotted(node.func) or ""
+    if func in ("getattr", "hasattr") and len(node.args) >= 2 and _string(node.args[1]):
+        base = resolve(_dotted(node.args[0]))
+        return [f"{base}.{_string(node.args[1])}"] if base else []
+    if (func.endswith("import_module") or func == "__import__") and node.args \
+            and _string(node.args[0]):
+        return [_string(node.args[0])]
+    return []
+
+
 def private_references(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
     """``(line, private torch name)`` for every private torch API the code of ``source`` names:
-    imports (module and function level), attribute chains rooted at ``torch``, and
-    ``getattr(<torch...>, "_name")``."""
+    imports (module and function level), attribute chains rooted at ``torch`` or at a name an
+    import bound to a torch module, ``getattr(<torch...>, "_name")`` and
+    ``importlib.import_module("torch._x")``."""
     tree = ast.parse(source, filename)
+    aliases = _aliases(tree)
+
+    def resolve(dotted):
+        if dotted is None:
+            return None
+        head, _, rest = dotted.partition(".")
+        if head in aliases:
+            return aliases[head] + ("." + rest if rest else "")
+        return dotted
+
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     found = set()
     for node in ast.walk(tree):
@@ -66,13 +111,9 @@ def private_references(source: str, filename: str = "<string>") -> list[tuple[in
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Attribute) and id(node) not in inner:
-            names = [_dotted(node)]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
-            base = _dotted(node.args[0])
-            if base is not None:
-                names = [f"{base}.{node.args[1].value}"]
+            names = [resolve(_dotted(node))]
+        elif isinstance(node, ast.Call):
+            names = _names_in_call(node, resolve)
         for name in names:
             prefix = name and _private_prefix(name)
             if prefix:
@@ -100,6 +141,12 @@ class TestScanner(TestCase):
             "    torch.ops.aten._grouped_mm.default(a, b, offs)",
             "    return torch._grouped_mm(a, b, offs=offs)",
             "g = getattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported')",
+            "import torch.distributed as dist",
+            "dist._functional_collectives.all_to_all_single",
+            "import importlib",
+            "importlib.import_module('torch._inductor.lowering')",
+            "from torch.nn import functional as F",
+            "F._canonical_mask",
         ])
         self.assertEqual(private_references(src), [
             (2, "torch.distributed._functional_collectives"),
@@ -110,6 +157,9 @@ class TestScanner(TestCase):
             (8, "torch.ops.aten._grouped_mm"),
             (9, "torch._grouped_mm"),
             (10, "torch.ops.mkldnn._is_mkldnn_bf16_supported"),
+            (12, "torch.distributed._functional_collectives"),
+            (14, "torch._inductor"),
+            (16, "torch.nn.functional._canonical_mask"),
         ])
 
     def test_ignores_public_and_own_names(self):
