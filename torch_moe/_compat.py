@@ -7,7 +7,7 @@ detects the feature it needs rather than comparing version strings, and uses the
 where torch has one (``torch.nn.functional.grouped_mm`` and ``scaled_grouped_mm``).
 
 The other rooms have their own adapters: :mod:`torch_moe._inductor._compat` (Inductor, Dynamo),
-:mod:`torch_moe.distributed._compat` (c10d, functional collectives, LocalTensor) and
+:mod:`torch_moe.distributed._compat` (c10d, functional collectives) and
 :mod:`torch_moe.distributed.tensor._compat` (DTensor's sharding-strategy internals).
 
 ``torch._check`` and its siblings (``_check_index``, ``_check_value``, ...) are not wrapped:

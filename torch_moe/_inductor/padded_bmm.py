@@ -10,7 +10,8 @@ it is faster for small groups only; where the padding would exceed
 :data:`MAX_PADDED_ROWS_PER_ROW` padded rows per real row (a skewed routing) it runs the
 per-group kernel instead, as the choice autotuning made on balanced groups may meet other loads.
 
-Numerics are the per-group kernel's: GEMMs in ``gemm_compute_dtype`` (fp32 for bf16 / fp16
+Numerics follow the per-group kernel's (not bitwise: ``bmm`` may sum the contraction in another
+order): GEMMs in ``gemm_compute_dtype`` (fp32 for bf16 / fp16
 where the CPU has no native instructions), one rounding to the output dtype, rows past
 ``offs[-1]`` zero. Padding rows of ``A`` are zeros, never copies of real rows, so a NaN or Inf
 in a real row does not reach another group or a row past ``offs[-1]``. Errors are the per-group

@@ -4,7 +4,6 @@ import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS, token_sort_num_slots
