@@ -1,7 +1,8 @@
 """Device kernels of the torch_moe ops (counterpart of ``aten/src/ATen/native/``).
 
 ``cpu`` holds ATen compositions tuned for CPU; they are registered for the CPU dispatch key.
-The CUDA kernels are Triton kernels (:mod:`torch_moe._triton`), registered at the end.
+The CUDA kernels are Triton kernels (:mod:`torch_moe._triton`), registered at the end wherever
+triton is installed.
 """
 
 import importlib.util
@@ -27,9 +28,9 @@ _CPU_KERNELS = {
 for _name, _fn in _CPU_KERNELS.items():
     torch.library.impl(f"torch_moe::{_name}", "CPU")(_fn)
 
-# CUDA kernels: only where CUDA is available and triton installed, so that importing torch_moe
-# never imports triton on a machine that cannot run it.
-if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+# CUDA kernels wherever triton is installed, GPU or not: registering them imports no triton (see
+# torch_moe._triton), and a machine without a GPU can then check what a GPU would run.
+if importlib.util.find_spec("triton") is not None:
     from torch_moe._triton import register_cuda_kernels
 
     register_cuda_kernels()

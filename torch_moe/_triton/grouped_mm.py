@@ -38,9 +38,8 @@ Every launch goes through :func:`torch.library.wrap_triton` inside a
 :func:`torch.library.triton_op` (``torch_moe::_triton_grouped_mm`` and
 ``torch_moe::_triton_indexed_grouped_mm``): under ``torch.compile`` the AOT graph holds
 ``triton_kernel_wrapper_functional`` nodes, which Inductor compiles as user-defined Triton kernels
-in its generated code instead of calling back into Python. :func:`register_cuda_kernels` makes
-these ops the CUDA kernels of the public ops and decomposes the public ops into them when traced
-with CUDA tensors (see there).
+in its generated code instead of calling back into Python. :data:`KERNELS` makes these ops the
+CUDA kernels of the public ops (see :mod:`torch_moe._triton`).
 """
 
 from typing import NamedTuple, Optional
@@ -52,13 +51,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
-from torch_moe._compat import (
-    functional_tensor_mode,
-    is_plain_or_tracing_tensor_type,
-    triton_op_decomposition_disabled,
-)
 
-__all__ = ["GemmConfig", "grouped_mm", "indexed_grouped_mm", "register_cuda_kernels"]
+__all__ = ["GemmConfig", "KERNELS", "grouped_mm", "indexed_grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,78 +529,10 @@ def _triton_indexed_grouped_mm(
 
 
 # ---------------------------------------------------------------------------------------------
-# Registration for CUDA
+# The CUDA kernels of the public ops (see torch_moe._triton)
 # ---------------------------------------------------------------------------------------------
 
-
-def _plain_cuda_tensors(types, args, kwargs) -> bool:
-    """Whether every tensor argument is on CUDA and none is a tensor subclass (other than the
-    fake and functional tensors of tracing), as triton_op requires to decompose."""
-    if not all(is_plain_or_tracing_tensor_type(t) for t in types):
-        return False
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    return all(t.device.type == "cuda" for t in tensors)
-
-
-def _grouped_mm_cuda(a, b, offs):
-    # Triton launches on the current device; make it the tensors' one.
-    with torch.cuda.device(a.device):
-        return torch.ops.torch_moe._triton_grouped_mm.default(a, b, offs)
-
-
-def _indexed_grouped_mm_cuda(
-    input, weight, offs, gather_index=None, scatter_index=None, scatter_weight=None,
-    num_out_rows=-1,
-):
-    with torch.cuda.device(input.device):
-        return torch.ops.torch_moe._triton_indexed_grouped_mm.default(
-            input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
-        )
-
-
-def _decompose_into(triton_overload):
-    """A FunctionalTensorMode rule that replaces an op on CUDA tensors by ``triton_overload``.
-
-    AOTAutograd functionalizes the graph it traces, so this runs under ``torch.compile``: the op
-    becomes the triton_op, which (in the same mode) decomposes into
-    ``triton_kernel_wrapper_functional``. ``torch.export`` keeps the op, as it keeps triton_ops.
-    """
-
-    def rule(mode, func, types, args, kwargs):
-        if not triton_op_decomposition_disabled() and _plain_cuda_tensors(types, args, kwargs):
-            with mode:
-                return triton_overload(*args, **kwargs)
-        return mode.__torch_dispatch__(func, types, args, kwargs)
-
-    return rule
-
-
-_registered = False
-
-
-def register_cuda_kernels() -> None:
-    """Makes the Triton kernels the CUDA kernels of ``torch_moe::grouped_mm`` (all three layouts)
-    and ``torch_moe::indexed_grouped_mm`` (its forward; the backward op has no CUDA kernel yet).
-
-    Eager calls dispatch to the triton_ops. Under ``torch.compile`` with CUDA tensors, a
-    FunctionalTensorMode rule decomposes both public ops into the triton_ops, so that Inductor
-    sees the Triton kernels rather than an opaque call back into Python; other devices keep the
-    ops as they are. Calling it again does nothing.
-    """
-    global _registered
-    if _registered:
-        return
-    functional_mode = functional_tensor_mode()
-    torch.library.impl("torch_moe::grouped_mm", "CUDA")(_grouped_mm_cuda)
-    torch.library.impl("torch_moe::indexed_grouped_mm", "CUDA")(_indexed_grouped_mm_cuda)
-    torch.library.register_torch_dispatch(
-        "torch_moe::grouped_mm",
-        functional_mode,
-        _decompose_into(torch.ops.torch_moe._triton_grouped_mm.default),
-    )
-    torch.library.register_torch_dispatch(
-        "torch_moe::indexed_grouped_mm",
-        functional_mode,
-        _decompose_into(torch.ops.torch_moe._triton_indexed_grouped_mm.default),
-    )
-    _registered = True
+KERNELS = {
+    "grouped_mm": torch.ops.torch_moe._triton_grouped_mm.default,
+    "indexed_grouped_mm": torch.ops.torch_moe._triton_indexed_grouped_mm.default,
+}

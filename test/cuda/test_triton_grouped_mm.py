@@ -23,18 +23,17 @@ Shapes are tiny: the interpreter runs every program in Python.
 """
 
 import contextlib
-import importlib.util
-import os
-import subprocess
-import sys
-import unittest
 
 import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-_TEST_DIR = os.path.dirname(os.path.abspath(__file__))
-_REPO_DIR = os.path.dirname(os.path.dirname(_TEST_DIR))
+from _interpreter import (
+    assert_matches,
+    deterministic,
+    patch_interpreter_bf16_dot,
+    requires_triton,
+    run_check,
+)
 
 # sizes shared by the checks: K, N, E, and offs with an empty group and a tail
 K, N, E = 32, 48, 3
@@ -46,28 +45,6 @@ OFFS = (12, 12, 37)
 # ---------------------------------------------------------------------------------------------
 
 
-def _patch_interpreter_bf16_dot() -> None:
-    """The interpreter of triton 3.9 stores bf16 as its uint16 bit patterns and ``tl.dot``
-    multiplies those integers. Widen bf16 operands to fp32 first: exact, and what a bf16 MMA
-    does (exact products, fp32 accumulation)."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def widen(t):
-        if t.dtype.scalar != tl.bfloat16:
-            return t
-        bits = t.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter.InterpreterBuilder.create_dot = patched
-
-
 def _configs():
     from torch_moe._triton.grouped_mm import GemmConfig
 
@@ -76,41 +53,14 @@ def _configs():
     return {"small": GemmConfig(16, 16, 16), "wide_k": GemmConfig(16, 32, 64), "default": None}
 
 
-@contextlib.contextmanager
-def _deterministic():
-    """Deterministic algorithms, which also fill fresh ``torch.empty`` memory with NaN
-    (``torch.utils.deterministic.fill_uninitialized_memory``): an output row a kernel fails to
-    write cannot pass for a zero row."""
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
 def _upcast(args, dtype):
     return [
         a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
     ]
 
 
-def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """``actual`` (the kernel, in its input dtype) against ``expected`` (the CPU kernel on the same
-    values in fp32 / fp64)."""
-    assert actual.dtype in (torch.float32, torch.bfloat16, torch.float64), actual.dtype
-    if actual.dtype == torch.bfloat16:
-        # one rounding of the fp32 result: at most one ulp, 2**-7 relative (the interpreter
-        # truncates where a GPU rounds to nearest even, which is within half an ulp); atol covers
-        # summation-order differences of the fp32 accumulation
-        torch.testing.assert_close(actual.float(), expected, rtol=2**-7, atol=1e-4, msg=what)
-    elif actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=what)
-    else:
-        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12, msg=what)
-
-
 def _check_grouped_mm() -> None:
-    _patch_interpreter_bf16_dot()
+    patch_interpreter_bf16_dot()
     from torch_moe._triton import grouped_mm as T
 
     cfg = _configs()
@@ -133,16 +83,16 @@ def _check_grouped_mm() -> None:
             cases.append(("2D x 3D fp64", a_rows.double(), b_rows.double(), "default"))
         for name, a, b, config in cases:
             hi = torch.float64 if a.dtype == torch.float64 else torch.float32
-            with _deterministic():
+            with deterministic():
                 out = T.grouped_mm(a, b, offs, config=cfg[config])
             ref = torch.ops.torch_moe.grouped_mm(a.to(hi), b.to(hi), offs)
             what = f"grouped_mm {name} {a.dtype} config={config}"
             assert out.shape == ref.shape and out.dtype == a.dtype, what
-            _assert_matches(out, ref, what)
+            assert_matches(out, ref, what)
 
 
 def _check_indexed_grouped_mm() -> None:
-    _patch_interpreter_bf16_dot()
+    patch_interpreter_bf16_dot()
     from torch_moe._triton import grouped_mm as T
 
     cfg = _configs()
@@ -160,7 +110,7 @@ def _check_indexed_grouped_mm() -> None:
         x = torch.randn(R, K, generator=g).to(dtype)
         x_slots = torch.randn(S, K, generator=g).to(dtype)
         w = torch.randn(E, K, N, generator=g).to(dtype)
-        # (name, args, config, deterministic): outputs that are not scattered are checked in
+        # (name, args, config, in_order): outputs that are not scattered are checked in
         # deterministic mode (NaN-filled before the kernel); scattered ones in both modes, which
         # take different paths (atomic adds; rows in slot order, then index_add_)
         cases = [
@@ -171,18 +121,18 @@ def _check_indexed_grouped_mm() -> None:
             ("gather+scatter+weight", (x, w, offs, gather, scatter, scale, T_out), "small", True),
             ("gather+scatter", (x, w, offs, gather, scatter, None, T_out), "default", False),
         ]
-        for name, args, config, deterministic in cases:
-            with _deterministic() if deterministic else contextlib.nullcontext():
+        for name, args, config, in_order in cases:
+            with deterministic() if in_order else contextlib.nullcontext():
                 out = T.indexed_grouped_mm(*args, config=cfg[config])
             ref = torch.ops.torch_moe.indexed_grouped_mm(*_upcast(args, torch.float32))
-            what = f"indexed_grouped_mm {name} {dtype} {config=} {deterministic=}"
+            what = f"indexed_grouped_mm {name} {dtype} {config=} deterministic={in_order}"
             assert out.shape == ref.shape and out.dtype == dtype, what
-            _assert_matches(out, ref, what)
+            assert_matches(out, ref, what)
         # the triton_op runs the same kernel in eager (default config)
         args = (x, w, offs, gather, scatter, scale, T_out)
         out = torch.ops.torch_moe._triton_indexed_grouped_mm(*args)
         ref = torch.ops.torch_moe.indexed_grouped_mm(*_upcast(args, torch.float32))
-        _assert_matches(out, ref, f"_triton_indexed_grouped_mm {dtype}")
+        assert_matches(out, ref, f"_triton_indexed_grouped_mm {dtype}")
 
 
 def _check_indexed_padding_reads_no_row() -> None:
@@ -215,15 +165,15 @@ def _check_indexed_padding_reads_no_row() -> None:
         ("all dropped", (x, w, offs, gather, torch.full((10,), -1), scale, 0), True),
         ("all dropped", (x, w, offs, gather, torch.full((10,), -1), scale, 0), False),
     ]
-    for name, args, deterministic in cases:
+    for name, args, in_order in cases:
         for config in ("small", "default"):
-            with _deterministic() if deterministic else contextlib.nullcontext():
+            with deterministic() if in_order else contextlib.nullcontext():
                 out = T.indexed_grouped_mm(*args, config=cfg[config])
             ref = torch.ops.torch_moe.indexed_grouped_mm(*args)
-            what = f"indexed_grouped_mm padding {name} {config=} {deterministic=}"
+            what = f"indexed_grouped_mm padding {name} {config=} deterministic={in_order}"
             assert torch.isfinite(ref).all(), (what, ref)
             assert torch.isfinite(out).all(), (what, out)
-            _assert_matches(out, ref, what)
+            assert_matches(out, ref, what)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,9 +273,9 @@ def _check_graph_capture() -> None:
         (node,) = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
         assert node.kwargs["tensors_to_clone"] == ["out_ptr"], (name, node.kwargs)
 
-    # 3. After register_cuda_kernels, the public ops decompose into the Triton kernels when traced
-    # with CUDA tensors (fake ones here), and stay as they are on CPU and under torch.export.
-    T.register_cuda_kernels()
+    # 3. torch_moe registers the CUDA kernels wherever triton is installed, so the public ops
+    # decompose into the Triton kernels when traced with CUDA tensors (fake ones here), and stay
+    # as they are on CPU and under torch.export.
     cuda = inputs("cuda")
     for name, module in public_ops.items():
         targets = _graph_targets(capture(module, cuda[name]))
@@ -341,24 +291,10 @@ def _check_graph_capture() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@unittest.skipIf(not HAS_TRITON, "triton is not installed: the Triton kernels cannot run, not even "
-                 "in the interpreter, and cannot be traced")
+@requires_triton
 class TestTritonGroupedMM(TestCase):
     def _run(self, check: str, interpret: bool) -> None:
-        code = (
-            f"import sys; sys.path[:0] = [{_TEST_DIR!r}, {_REPO_DIR!r}]; "
-            f"import test_triton_grouped_mm as t; t.{check}()"
-        )
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        env.pop("TRITON_INTERPRET", None)
-        if interpret:
-            env["TRITON_INTERPRET"] = "1"
-        proc = subprocess.run(
-            [sys.executable, "-c", code], env=env, cwd=_REPO_DIR, capture_output=True, text=True,
-            timeout=300,
-        )
-        if proc.returncode != 0:
-            self.fail(f"{check} failed (TRITON_INTERPRET={int(interpret)}):\n{proc.stderr[-6000:]}")
+        run_check(self, "test_triton_grouped_mm", check, interpret=interpret)
 
     def test_grouped_mm_interpreted(self):
         self._run("_check_grouped_mm", interpret=True)
