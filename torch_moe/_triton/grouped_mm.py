@@ -7,8 +7,10 @@ rounding to the output dtype, and no host synchronisation (``offs`` is read on t
   optional gather of input rows, scatter of output rows and per-row scale. It is the forward of
   ``indexed_grouped_mm``, ``grouped_mm`` 2D x 3D (no indices), and ``grouped_mm`` 3D x 2D through
   the transposed problem ``out.T[cols_g] = b.T[cols_g] @ a[g].T``.
-* ``_grouped_mm_k_kernel``: the contraction split by ``offs`` (``grouped_mm`` 2D x 2D, the weight
-  gradient of the 2D x 3D layout), ``out[g] = a[:, ks_g] @ b[ks_g, :]``.
+* ``_grouped_mm_k_kernel``: the contraction split by ``offs``, over rows that may be gathered,
+  ``out[g] = sum_{i in group g} a_rows[a_index[i]]^T (outer) b_rows[b_index[i]] * b_scale[i]``:
+  the weight gradients (of ``indexed_grouped_mm`` and the fused FFN, with gathers and routing
+  weights), and ``grouped_mm`` 2D x 2D, ``out[g] = a[:, ks_g] @ b[ks_g, :]`` (``a_rows = a.T``).
 
 Tiling of the rows kernel. The rows ``[0, S)`` are cut into segments: group ``g`` is
 ``[offs[g-1], offs[g])`` and, when the output is not scattered, segment ``E`` is the tail
@@ -200,27 +202,38 @@ def _grouped_mm_k_kernel(
     a_ptr,
     b_ptr,
     offs_ptr,
+    a_index_ptr,
+    b_index_ptr,
+    b_scale_ptr,
     out_ptr,
     M,
     N,
-    K,
+    num_slots,
+    num_a_rows,
+    num_b_rows,
+    stride_ar,
     stride_am,
-    stride_ak,
-    stride_bk,
+    stride_br,
     stride_bn,
     stride_og,
     stride_om,
     stride_on,
+    HAS_A_INDEX: tl.constexpr,
+    HAS_B_INDEX: tl.constexpr,
+    HAS_B_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of ``out[g] = a[:, ks_g] @ b[ks_g, :]``.
+    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of
+    ``out[g] = sum_{offs[g-1] <= i < offs[g]} outer(a_rows[a_index[i]], b_rows[b_index[i]] * b_scale[i])``.
 
-    Shapes: a ``[M, K]``, b ``[K, N]``, offs ``[G]`` int32 splitting K, out ``[G, M, N]``; an
-    empty group gives a zero matrix. grid = ``(G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)``, the
-    tiles of one group consecutive.
+    Shapes: a_rows ``[num_a_rows, M]``, b_rows ``[num_b_rows, N]``, offs ``[G]`` int32 splitting
+    the ``num_slots`` slots, a_index / b_index ``[num_slots]`` int64 (identity without them),
+    b_scale ``[num_slots]`` float, out ``[G, M, N]``. A slot whose index is -1 on either side
+    reads no row of either operand; an empty group gives a zero matrix.
+    grid = ``(G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)``, the tiles of one group consecutive.
     """
     pid = tl.program_id(0)
     row_tiles = tl.cdiv(M, BLOCK_M)
@@ -236,25 +249,44 @@ def _grouped_mm_k_kernel(
 
     k_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
     k_end = tl.load(offs_ptr + g)
-    tl.device_assert((k_start <= k_end) & (k_end <= K), "offs must be non-decreasing and <= K")
-    k_start = tl.minimum(tl.maximum(k_start, 0), K)
-    k_end = tl.minimum(tl.maximum(k_end, k_start), K)
+    tl.device_assert(
+        (k_start <= k_end) & (k_end <= num_slots), "offs must be non-decreasing and <= the slots"
+    )
+    k_start = tl.minimum(tl.maximum(k_start, 0), num_slots)
+    k_end = tl.minimum(tl.maximum(k_end, k_start), num_slots)
 
     ks = tl.arange(0, BLOCK_K)
     acc = _acc_zeros(a_ptr, BLOCK_M, BLOCK_N)
     for k in range(k_start, k_end, BLOCK_K):
-        kk = (k + ks).to(tl.int64)
-        k_ok = kk < k_end
+        slots = (k + ks).to(tl.int64)
+        ok = slots < k_end
+        if HAS_A_INDEX:
+            ra = tl.load(a_index_ptr + slots, mask=ok, other=-1)
+            tl.device_assert((ra >= -1) & (ra < num_a_rows), "a_index out of range")
+            ok = ok & (ra >= 0) & (ra < num_a_rows)
+        else:
+            ra = slots
+        if HAS_B_INDEX:
+            rb = tl.load(b_index_ptr + slots, mask=ok, other=-1)
+            tl.device_assert((rb >= -1) & (rb < num_b_rows), "b_index out of range")
+            ok = ok & (rb >= 0) & (rb < num_b_rows)
+        else:
+            rb = slots
+        # a slot padded on either side loads zeros on both: no 0 * Inf from the other operand
         a = tl.load(
-            a_ptr + rows[:, None] * stride_am + kk[None, :] * stride_ak,
-            mask=row_ok[:, None] & k_ok[None, :],
+            a_ptr + ra[None, :] * stride_ar + rows[:, None] * stride_am,
+            mask=row_ok[:, None] & ok[None, :],
             other=0.0,
         )
         b = tl.load(
-            b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn,
-            mask=k_ok[:, None] & col_ok[None, :],
+            b_ptr + rb[:, None] * stride_br + cols[None, :] * stride_bn,
+            mask=ok[:, None] & col_ok[None, :],
             other=0.0,
         )
+        if HAS_B_SCALE:
+            # scaled in the accumulation dtype, then rounded to the operand dtype for the MMA
+            scale = tl.load(b_scale_ptr + slots, mask=ok, other=0.0).to(acc.dtype)
+            b = (b.to(acc.dtype) * scale[:, None]).to(b_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     out_ptrs = (
@@ -365,28 +397,71 @@ def _launch_rows(
 def _launch_k(
     a: Tensor, b: Tensor, offs: Tensor, out: Tensor, config: Optional[GemmConfig]
 ) -> None:
-    """Launches the contraction-split kernel: a ``[M, K]``, b ``[K, N]``, out ``[G, M, N]``."""
-    M, K = a.shape
-    N = b.size(1)
-    G = offs.size(0)
-    cfg = config if config is not None else _default_config(a.dtype, N, K)
+    """Launches the contraction-split kernel: a ``[M, K]``, b ``[K, N]``, out ``[G, M, N]``,
+    ``out[g] = a[:, ks_g] @ b[ks_g, :]`` with K split by offs."""
+    _launch_k_rows(a.t(), b, offs, out, config)
+
+
+def _launch_k_rows(
+    a_rows: Tensor,
+    b_rows: Tensor,
+    offs: Tensor,
+    out: Tensor,
+    config: Optional[GemmConfig] = None,
+    *,
+    a_index: Optional[Tensor] = None,
+    b_index: Optional[Tensor] = None,
+    b_scale: Optional[Tensor] = None,
+) -> None:
+    """Launches the contraction-split kernel over gathered rows (a weight gradient)::
+
+        out[g] = sum_{offs[g-1] <= i < offs[g]} a_rows[a_index[i]]^T (outer) b_rows[b_index[i]] * b_scale[i]
+
+    a_rows ``[Ra, M]``, b_rows ``[Rb, N]`` (any strides, same dtype), offs int32 ``[G]`` group
+    ends over the S slots, out ``[G, M, N]`` (written, not accumulated: empty groups give zeros).
+    a_index / b_index: int64 ``[S]`` rows of a_rows / b_rows, or None for the identity (then that
+    operand has exactly S rows); -1 (or any index out of range) skips the slot, which reads no row
+    of either operand. b_scale: ``[S]`` float, multiplied in the accumulation dtype and rounded to
+    the operand dtype before the MMA (exact for fp32 and fp64 operands).
+    """
+    G, M, N = out.shape
+    num_slots = a_index.size(0) if a_index is not None else a_rows.size(0)
+    b_slots = b_index.size(0) if b_index is not None else b_rows.size(0)
+    torch._check(
+        b_slots == num_slots and (b_scale is None or b_scale.size(0) == num_slots),
+        lambda: f"_launch_k_rows: expected a, b and b_scale to cover {num_slots} slots",
+    )
+    torch._check(
+        a_rows.size(1) == M and b_rows.size(1) == N and offs.size(0) == G,
+        lambda: "_launch_k_rows: expected out of shape [offs.size(0), a_rows.size(1), "
+        f"b_rows.size(1)], but got {list(out.shape)}",
+    )
+    cfg = config if config is not None else _default_config(a_rows.dtype, N, num_slots)
     grid = (G * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     wrap_triton(_grouped_mm_k_kernel)[grid](
-        a,
-        b,
+        a_rows,
+        b_rows,
         offs,
+        a_index,
+        b_index,
+        b_scale,
         out,
         M,
         N,
-        K,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
+        num_slots,
+        a_rows.size(0),
+        b_rows.size(0),
+        a_rows.stride(0),
+        a_rows.stride(1),
+        b_rows.stride(0),
+        b_rows.stride(1),
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        INPUT_PRECISION=_input_precision(a.dtype),
+        HAS_A_INDEX=a_index is not None,
+        HAS_B_INDEX=b_index is not None,
+        HAS_B_SCALE=b_scale is not None,
+        INPUT_PRECISION=_input_precision(a_rows.dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
