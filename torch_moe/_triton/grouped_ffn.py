@@ -1,0 +1,712 @@
+"""Triton kernels of ``torch_moe::grouped_ffn`` and ``torch_moe::grouped_ffn_backward``.
+
+The expert FFN ``out[t] = sum_j topk_weights[t, j] * act(x[t] @ w1[e], x[t] @ w3[e]) @ w2[e]``
+over the sorted slots ``i`` (``sorted_ids[i] = t * k + j``, expert ``e`` the group of ``i`` in
+``offs``), with no permuted copy of ``x`` and no host synchronisation.
+
+Legend: T tokens, k = top_k, S sorted slots, E experts, D model dim, F FFN dim, H the width of the
+pre-activation (``2F`` gated, ``F`` otherwise); ``token(i) = sorted_ids[i] // k``, ``w_i`` the
+routing weight ``topk_weights.view(-1)[sorted_ids[i]]``.
+
+Forward:
+
+* ``_ffn_up_kernel``: one program computes a ``[BLOCK_M, BLOCK_N]`` tile of the gate and the up
+  projection of the same columns (two accumulators; a fused ``w13 [E, D, 2F]`` is read at column
+  offsets ``0`` and ``F``), gathering its rows of ``x`` through ``token(i)``. The epilogue writes
+  ``hidden [S, H]`` (the pre-activation, saved for the backward) and ``a = act(hidden) [S, F]``,
+  computed in fp32 from the stored, rounded pre-activation, so the backward recomputes exactly
+  what the forward used. ``a`` is a transient of the forward.
+* the down projection is the rows kernel of :mod:`torch_moe._triton.grouped_mm` with a per-slot
+  scale ``w_i`` and a scatter to ``token(i)``: fp32 atomic adds and one rounding, or, under
+  ``torch.use_deterministic_algorithms(True)``, rows in slot order and a fixed-order
+  ``index_add_``.
+
+Backward (saved: x, hidden, the routing and the weights; the activation is recomputed):
+
+* ``_ffn_down_backward_kernel``: ``dA_i = grad[token(i)] @ w2[e]^T`` per ``[BLOCK_M, BLOCK_N]``
+  tile of F, with an epilogue that recomputes ``a_i`` from ``hidden`` and writes, as requested,
+  the partial sums of ``<dA_i, a_i>`` over the tile's columns (``d out / d w_i``, summed over the
+  column tiles in a fixed order afterwards), ``w_i * a_i`` (the operand of ``grad_w2``) and
+  ``dH_i = act'(hidden_i) applied to w_i * dA_i``.
+* ``grad_w2[e] = sum_i (w_i a_i)^T grad[token(i)]`` and ``grad_w1 / grad_w3[e] = sum_i
+  x[token(i)]^T dH_i``: the contraction-split kernel of grouped_mm over the slots of each group,
+  on gathered operand rows.
+* ``grad_x[t] = sum_{i: token(i) = t} dH_i @ w13[e]^T``: the rows kernel, scattered as the forward
+  combine is (deterministic mode: rows, then ``index_add_``).
+
+Only what ``output_mask`` asks for is computed. Padded slots (-1 in ``sorted_ids``) read no row
+and write zero rows (``hidden``, ``dH``), add nothing to ``out`` / ``grad_x`` / the weight
+gradients and get no routing gradient; slots past ``offs[-1]`` are treated the same way. Value
+checks are device asserts compiled in under ``TRITON_DEBUG=1``; without them, out-of-range ids
+are treated as padding and offsets are clamped, so nothing is read or written out of bounds.
+
+The activation formulas are those of :mod:`torch_moe._native.activation` (the reference), in
+fp32 (fp64 for fp64 operands).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from torch_moe import _checks
+from torch_moe._triton.grouped_mm import (
+    _acc_zeros,
+    _block,
+    _default_config,
+    _input_precision,
+    _launch_k,
+    _launch_rows,
+    GemmConfig,
+)
+
+__all__ = ["KERNELS", "grouped_ffn", "grouped_ffn_backward"]
+
+# activation -> the constexpr code the kernels branch on
+_ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "gelu": 3, "relu": 4}
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sigmoid(v):
+    return 1.0 / (1.0 + tl.exp(-v))
+
+
+@triton.jit
+def _gelu_cdf(v):
+    return 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_pdf(v):
+    # exp(-v^2 / 2) / sqrt(2 pi)
+    return tl.exp(-0.5 * v * v) * 0.3989422804014327
+
+
+@triton.jit
+def _act(g, u, alpha, limit, ACTIVATION: tl.constexpr):
+    """act(g, u) (``u`` unused by the ungated kinds), elementwise."""
+    if ACTIVATION == 0:  # swiglu: silu(g) * u
+        return g * _sigmoid(g) * u
+    elif ACTIVATION == 1:  # geglu: gelu(g) * u
+        return g * _gelu_cdf(g) * u
+    elif ACTIVATION == 2:  # swiglu_oai
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return (uc + 1.0) * gc * _sigmoid(alpha * gc)
+    elif ACTIVATION == 3:  # gelu
+        return g * _gelu_cdf(g)
+    else:  # relu
+        return tl.where(g > 0, g, 0.0)
+
+
+@triton.jit
+def _act_backward(dy, g, u, alpha, limit, ACTIVATION: tl.constexpr):
+    """(d act / d g, d act / d u) applied to ``dy``; the second is ``dy`` itself (unused) for
+    the ungated kinds."""
+    if ACTIVATION == 0:
+        s = _sigmoid(g)
+        return dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s
+    elif ACTIVATION == 1:
+        cdf = _gelu_cdf(g)
+        return dy * u * (cdf + g * _gelu_pdf(g)), dy * g * cdf
+    elif ACTIVATION == 2:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(alpha * gc)
+        # a clamp passes the gradient where its input lies inside the bounds (bounds included)
+        dg = tl.where(g <= limit, dy * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), dy * gc * s, 0.0)
+        return dg, du
+    elif ACTIVATION == 3:
+        return dy * (_gelu_cdf(g) + g * _gelu_pdf(g)), dy
+    else:
+        return tl.where(g > 0, dy, 0.0), dy
+
+
+@triton.jit
+def _ffn_up_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    offs_ptr,
+    ids_ptr,
+    hidden_ptr,
+    act_ptr,
+    alpha,
+    limit,
+    num_rows,
+    num_tokens,
+    top_k,
+    F,
+    K,
+    num_groups,
+    up_col,
+    stride_xm,
+    stride_xk,
+    stride_w1e,
+    stride_w1k,
+    stride_w1n,
+    stride_w3e,
+    stride_w3k,
+    stride_w3n,
+    stride_hm,
+    stride_hn,
+    stride_am,
+    stride_an,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of columns ``cols`` of one segment of slots.
+
+    Shapes: x ``[T, K]``; w1 ``[E, K, *]`` (gate at columns ``cols``), w3 ``[E, K, *]`` (up at
+    columns ``up_col + cols``; w1 itself with ``up_col = F`` for a fused w13); offs ``[E]`` int32;
+    ids ``[S]`` int64; hidden ``[S, H]`` (gate at ``cols``, up at ``F + cols``); act ``[S, F]``.
+    The segments and the grid are those of the rows kernel of grouped_mm, tail included:
+    grid = ``((cdiv(S, BLOCK_M) + E) * cdiv(F, BLOCK_N),)``.
+    """
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(F, BLOCK_N)
+    tile = pid // col_tiles
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < F
+    cols = cols.to(tl.int64)
+
+    # The segment of this row tile, as in grouped_mm's rows kernel (inline for the same reason:
+    # torch.compile's mutation analysis).
+    segs = tl.arange(0, BLOCK_E)
+    in_groups = segs < num_groups
+    ends = tl.load(offs_ptr + segs, mask=in_groups, other=0)
+    starts = tl.load(offs_ptr + segs - 1, mask=(segs > 0) & (segs <= num_groups), other=0)
+    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
+    tl.device_assert(ends <= num_rows, "offs[-1] must not exceed the number of slots")
+    ends = tl.where(in_groups, ends, num_rows)
+    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
+    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
+    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
+    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(seg_tiles, 0)
+    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    pick = segs == seg
+    first_row = tl.sum(tl.where(pick, starts, 0), 0)
+    end_row = tl.sum(tl.where(pick, ends, 0), 0)
+    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
+
+    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end_row
+    rows = rows.to(tl.int64)
+    is_group = seg < num_groups
+
+    # the token row of each slot; padding, the tail and invalid ids read nothing
+    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1)
+    tl.device_assert((ids >= -1) & (ids < num_tokens * top_k), "sorted_ids out of range")
+    # rows of a group, not of the tail
+    in_group = rows < tl.where(is_group, end_row, first_row)
+    src_ok = in_group & (ids >= 0) & (ids < num_tokens * top_k)
+    src = tl.where(src_ok, ids // top_k, 0)
+
+    k_end = tl.where(is_group, K, 0)
+    ks = tl.arange(0, BLOCK_K)
+    e = seg.to(tl.int64)
+    x_ptrs = x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk
+    w1_ptrs = w1_ptr + e * stride_w1e + ks[:, None] * stride_w1k + cols[None, :] * stride_w1n
+    w3_ptrs = (
+        w3_ptr + e * stride_w3e + ks[:, None] * stride_w3k + (up_col + cols)[None, :] * stride_w3n
+    )
+    acc_g = _acc_zeros(x_ptr, BLOCK_M, BLOCK_N)
+    acc_u = _acc_zeros(x_ptr, BLOCK_M, BLOCK_N)
+    for k in range(0, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=src_ok[:, None], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k
+            a = tl.load(x_ptrs, mask=src_ok[:, None] & k_ok[None, :], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, b1, acc_g, input_precision=INPUT_PRECISION)
+        if GATED:
+            if EVEN_K:
+                b3 = tl.load(w3_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                b3 = tl.load(w3_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_u = tl.dot(a, b3, acc_u, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w1_ptrs += BLOCK_K * stride_w1k
+        w3_ptrs += BLOCK_K * stride_w3k
+
+    # Padded slots store zeros (not the product of a zero row, NaN against an Inf weight); the
+    # activation is computed from the stored, rounded pre-activation, as the backward sees it.
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    h_ptrs = hidden_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn
+    hg = tl.where(src_ok[:, None], acc_g, 0.0).to(hidden_ptr.dtype.element_ty)
+    tl.store(h_ptrs, hg, mask=out_ok)
+    g = hg.to(acc_g.dtype)
+    if GATED:
+        hu = tl.where(src_ok[:, None], acc_u, 0.0).to(hidden_ptr.dtype.element_ty)
+        tl.store(h_ptrs + F * stride_hn, hu, mask=out_ok)
+        u = hu.to(acc_u.dtype)
+    else:
+        u = g
+    act = tl.where(src_ok[:, None], _act(g, u, alpha, limit, ACTIVATION), 0.0)
+    act_ptrs = act_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _ffn_down_backward_kernel(
+    grad_ptr,
+    w2_ptr,
+    offs_ptr,
+    ids_ptr,
+    topk_ptr,
+    hidden_ptr,
+    dh_ptr,
+    aw_ptr,
+    part_ptr,
+    alpha,
+    limit,
+    num_rows,
+    num_tokens,
+    top_k,
+    F,
+    K,
+    num_groups,
+    stride_gm,
+    stride_gk,
+    stride_w2e,
+    stride_w2n,
+    stride_w2k,
+    stride_tt,
+    stride_tj,
+    stride_hm,
+    stride_hn,
+    stride_dm,
+    stride_dn,
+    stride_awm,
+    stride_awn,
+    stride_pm,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    NEED_DA: tl.constexpr,
+    WRITE_DH: tl.constexpr,
+    WRITE_AW: tl.constexpr,
+    WRITE_PART: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """One program: ``dA = grad[token] @ w2[e]^T`` on a ``[BLOCK_M, BLOCK_N]`` tile of columns of
+    F, and its epilogue (see the module docstring).
+
+    Shapes: grad ``[T, K]`` (K = D); w2 ``[E, F, K]``; topk ``[T, k]``; hidden, dh ``[S, H]``;
+    aw ``[S, F]``; part ``[S, cdiv(F, BLOCK_N)]`` fp32 / fp64, column ``pid % col_tiles``.
+    The grid is that of ``_ffn_up_kernel``; every row of every output is written (zeros for
+    padding and the tail).
+    """
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(F, BLOCK_N)
+    tile = pid // col_tiles
+    col_tile = pid % col_tiles
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < F
+    cols = cols.to(tl.int64)
+
+    segs = tl.arange(0, BLOCK_E)
+    in_groups = segs < num_groups
+    ends = tl.load(offs_ptr + segs, mask=in_groups, other=0)
+    starts = tl.load(offs_ptr + segs - 1, mask=(segs > 0) & (segs <= num_groups), other=0)
+    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
+    tl.device_assert(ends <= num_rows, "offs[-1] must not exceed the number of slots")
+    ends = tl.where(in_groups, ends, num_rows)
+    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
+    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
+    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
+    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(seg_tiles, 0)
+    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    pick = segs == seg
+    first_row = tl.sum(tl.where(pick, starts, 0), 0)
+    end_row = tl.sum(tl.where(pick, ends, 0), 0)
+    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
+
+    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end_row
+    rows = rows.to(tl.int64)
+    is_group = seg < num_groups
+
+    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1)
+    tl.device_assert((ids >= -1) & (ids < num_tokens * top_k), "sorted_ids out of range")
+    # rows of a group, not of the tail
+    in_group = rows < tl.where(is_group, end_row, first_row)
+    src_ok = in_group & (ids >= 0) & (ids < num_tokens * top_k)
+    ids = tl.where(src_ok, ids, 0)
+    src = ids // top_k
+    weight = tl.load(
+        topk_ptr + src * stride_tt + (ids % top_k) * stride_tj, mask=src_ok, other=0.0
+    )
+
+    acc = _acc_zeros(grad_ptr, BLOCK_M, BLOCK_N)
+    if NEED_DA:
+        k_end = tl.where(is_group, K, 0)
+        ks = tl.arange(0, BLOCK_K)
+        g_ptrs = grad_ptr + src[:, None] * stride_gm + ks[None, :] * stride_gk
+        w_ptrs = (
+            w2_ptr
+            + seg.to(tl.int64) * stride_w2e
+            + ks[:, None] * stride_w2k
+            + cols[None, :] * stride_w2n
+        )
+        for k in range(0, k_end, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(g_ptrs, mask=src_ok[:, None], other=0.0)
+                b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = ks < K - k
+                a = tl.load(g_ptrs, mask=src_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            g_ptrs += BLOCK_K * stride_gk
+            w_ptrs += BLOCK_K * stride_w2k
+        # a padded slot's dA is zero, whatever its group's weights hold
+        acc = tl.where(src_ok[:, None], acc, 0.0)
+
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    h_ptrs = hidden_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn
+    # hidden is read for real slots only: what the tail and padding hold is never used
+    h_ok = src_ok[:, None] & col_ok[None, :]
+    g = tl.load(h_ptrs, mask=h_ok, other=0.0).to(acc.dtype)
+    if GATED:
+        u = tl.load(h_ptrs + F * stride_hn, mask=h_ok, other=0.0).to(acc.dtype)
+    else:
+        u = g
+    weight = weight.to(acc.dtype)
+    if WRITE_PART or WRITE_AW:
+        act = tl.where(h_ok, _act(g, u, alpha, limit, ACTIVATION), 0.0)
+        if WRITE_PART:
+            part = tl.sum(acc * act, 1)
+            tl.store(part_ptr + rows * stride_pm + col_tile, part, mask=row_ok)
+        if WRITE_AW:
+            aw = act * weight[:, None]
+            aw_ptrs = aw_ptr + rows[:, None] * stride_awm + cols[None, :] * stride_awn
+            tl.store(aw_ptrs, aw.to(aw_ptr.dtype.element_ty), mask=out_ok)
+    if WRITE_DH:
+        dg, du = _act_backward(acc * weight[:, None], g, u, alpha, limit, ACTIVATION)
+        dh_ptrs = dh_ptr + rows[:, None] * stride_dm + cols[None, :] * stride_dn
+        tl.store(dh_ptrs, tl.where(h_ok, dg, 0.0).to(dh_ptr.dtype.element_ty), mask=out_ok)
+        if GATED:
+            du = tl.where(h_ok, du, 0.0).to(dh_ptr.dtype.element_ty)
+            tl.store(dh_ptrs + F * stride_dn, du, mask=out_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _token_index(sorted_ids: Tensor, num_tokens: int, top_k: int) -> Tensor:
+    """token(i) for each slot, -1 for padding and out-of-range ids (which read and write
+    nothing)."""
+    valid = (sorted_ids >= 0) & (sorted_ids < num_tokens * top_k)
+    return torch.where(valid, sorted_ids.div(max(top_k, 1), rounding_mode="floor"), -1)
+
+
+def _gather_rows(t: Tensor, token: Tensor) -> Tensor:
+    """``t[token(i)]`` per slot ``[S, N]``, zero rows where ``token`` is -1."""
+    if t.size(0) == 0:
+        # no tokens: every slot is padding
+        return t.new_zeros((token.size(0), t.size(1)))
+    rows = t.index_select(0, token.clamp(min=0))
+    return rows.masked_fill_((token < 0).unsqueeze(1), 0)
+
+
+def _slot_weights(topk_weights: Tensor, sorted_ids: Tensor, token: Tensor) -> Tensor:
+    """``w_i`` per slot in the accumulation dtype of fp32 / fp64, zero for padding."""
+    if topk_weights.numel() == 0:
+        return torch.zeros(sorted_ids.size(0), device=sorted_ids.device)
+    flat = topk_weights.reshape(-1)
+    w = flat.index_select(0, sorted_ids.clamp(0, flat.size(0) - 1))
+    return w.masked_fill_(token < 0, 0)
+
+
+def _scatter_rows_sum(
+    terms, offs: Tensor, token: Tensor, scale: Optional[Tensor], num_tokens: int, N: int,
+    dtype: torch.dtype, config: Optional[GemmConfig],
+) -> Tensor:
+    """``out[token(i)] += sum over (a, w) in terms of scale_i * a_i @ w[e]`` (a ``[S, K]``,
+    w ``[E, K, N]``), in fp32 / fp64, rounded once to ``dtype``. Atomic adds, or under
+    deterministic algorithms rows in slot order and a fixed-order sum."""
+    S = token.size(0)
+    acc_dtype = _acc_dtype(dtype)
+    acc = torch.zeros((num_tokens, N), dtype=acc_dtype, device=token.device)
+    if torch.are_deterministic_algorithms_enabled():
+        rows = None
+        for a, w in terms:
+            r = torch.empty((S, N), dtype=acc_dtype, device=token.device)
+            if r.numel():
+                _launch_rows(a, w, offs, None, None, scale, r, S, config)
+            rows = r if rows is None else rows.add_(r)
+        if acc.size(0):
+            rows.masked_fill_((token < 0).unsqueeze(1), 0)
+            acc.index_add_(0, token.clamp(min=0), rows)
+    elif S > 0 and acc.numel():
+        for a, w in terms:
+            _launch_rows(a, w, offs, None, token, scale, acc, S, config)
+    return acc if acc.dtype == dtype else acc.to(dtype)
+
+
+def _rows_grid(S: int, E: int, F: int, cfg: GemmConfig):
+    return ((triton.cdiv(S, cfg.block_m) + E) * triton.cdiv(F, cfg.block_n),)
+
+
+def _up_config(dtype: torch.dtype, F, D, gated: bool) -> GemmConfig:
+    cfg = _default_config(dtype, F, D)
+    if gated:
+        # two accumulators and two weight tiles: half the columns keep registers and shared
+        # memory at the size of one plain GEMM tile
+        cfg = cfg._replace(block_n=max(16, cfg.block_n // 2))
+    return cfg
+
+
+def grouped_ffn(
+    x: Tensor,
+    sorted_ids: Tensor,
+    offs: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Optional[Tensor] = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    *,
+    config: Optional[GemmConfig] = None,
+) -> tuple[Tensor, Tensor]:
+    """``torch_moe::grouped_ffn`` with the Triton kernels, for tensors on any device Triton runs
+    on (CPU tensors under ``TRITON_INTERPRET=1``); the current device must be theirs.
+
+    Args: those of the op (x ``[T, D]``, sorted_ids ``[S]``, offs ``[E]``, topk_weights
+    ``[T, k]``, w1 ``[E, D, F]`` or fused ``[E, D, 2F]``, w2 ``[E, F, D]``, w3 ``[E, D, F]`` or
+    None); ``config``: the tiles of every GEMM (default: chosen from the dtype and sizes).
+
+    Returns:
+        ``(out [T, D], hidden [S, H])``, contiguous, in the dtype of x.
+    """
+    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+    gated = activation in _checks.GATED_ACTIVATIONS
+    T, D = x.shape
+    E = w1.size(0)
+    k = topk_weights.size(1)
+    S = sorted_ids.size(0)
+    hidden = x.new_empty((S, 2 * F if gated else F))
+    act = x.new_empty((S, F))
+    if S > 0 and F > 0:
+        cfg = config if config is not None else _up_config(x.dtype, F, D, gated)
+        # a fused w13 holds the up projection in its columns F..2F
+        w_up, up_col = (w3, 0) if w3 is not None else (w1, F)
+        wrap_triton(_ffn_up_kernel)[_rows_grid(S, E, F, cfg)](
+            x, w1, w_up, offs, sorted_ids, hidden, act,
+            float(alpha), float(limit),
+            S, T, k, F, D, E, up_col,
+            x.stride(0), x.stride(1),
+            w1.stride(0), w1.stride(1), w1.stride(2),
+            w_up.stride(0), w_up.stride(1), w_up.stride(2),
+            hidden.stride(0), hidden.stride(1),
+            act.stride(0), act.stride(1),
+            GATED=gated,
+            ACTIVATION=_ACTIVATION_CODES[activation],
+            INPUT_PRECISION=_input_precision(x.dtype),
+            EVEN_K=bool(D % cfg.block_k == 0),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            BLOCK_E=_block(E + 1, 2, 2 ** 30),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    token = _token_index(sorted_ids, T, k)
+    scale = _slot_weights(topk_weights, sorted_ids, token)
+    out = _scatter_rows_sum([(act, w2)], offs, token, scale, T, D, x.dtype, config)
+    return out, hidden
+
+
+def grouped_ffn_backward(
+    grad: Tensor,
+    x: Tensor,
+    sorted_ids: Tensor,
+    offs: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Optional[Tensor],
+    hidden: Tensor,
+    activation: str,
+    alpha: float,
+    limit: float,
+    output_mask: list[bool],
+    *,
+    config: Optional[GemmConfig] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``torch_moe::grouped_ffn_backward`` with the Triton kernels (see :func:`grouped_ffn`).
+
+    Returns:
+        ``(grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)``, each empty ``[0]`` where
+        ``output_mask`` is False; grad_w3 is empty with a fused w13 (whose gradient is grad_w1).
+    """
+    _, F = _checks.check_grouped_ffn_backward(
+        grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, output_mask
+    )
+    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
+    want_w3 = want_w3 and w3 is not None
+    want_dH = want_x or want_w1 or want_w3
+    want_dA = want_topk or want_dH
+    gated = activation in _checks.GATED_ACTIVATIONS
+    T, D = x.shape
+    E = w1.size(0)
+    k = topk_weights.size(1)
+    S = sorted_ids.size(0)
+    acc_dtype = _acc_dtype(x.dtype)
+    token = _token_index(sorted_ids, T, k)
+
+    cfg = config if config is not None else _default_config(x.dtype, F, D)
+    col_tiles = triton.cdiv(F, cfg.block_n)
+    dH = x.new_empty(hidden.shape) if want_dH else None
+    aw = x.new_empty((S, F)) if want_w2 else None
+    part = torch.empty((S, col_tiles), dtype=acc_dtype, device=x.device) if want_topk else None
+    if S > 0 and F > 0 and (want_dA or want_w2):
+        wrap_triton(_ffn_down_backward_kernel)[_rows_grid(S, E, F, cfg)](
+            grad, w2, offs, sorted_ids, topk_weights, hidden, dH, aw, part,
+            float(alpha), float(limit),
+            S, T, k, F, D, E,
+            grad.stride(0), grad.stride(1),
+            w2.stride(0), w2.stride(1), w2.stride(2),
+            topk_weights.stride(0), topk_weights.stride(1),
+            hidden.stride(0), hidden.stride(1),
+            dH.stride(0) if want_dH else 0, dH.stride(1) if want_dH else 0,
+            aw.stride(0) if want_w2 else 0, aw.stride(1) if want_w2 else 0,
+            part.stride(0) if want_topk else 0,
+            GATED=gated,
+            ACTIVATION=_ACTIVATION_CODES[activation],
+            NEED_DA=want_dA,
+            WRITE_DH=want_dH,
+            WRITE_AW=want_w2,
+            WRITE_PART=want_topk,
+            INPUT_PRECISION=_input_precision(x.dtype),
+            EVEN_K=bool(D % cfg.block_k == 0),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            BLOCK_E=_block(E + 1, 2, 2 ** 30),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+    grad_topk = topk_weights.new_empty((0,))
+    if want_topk:
+        # the column tiles' partial sums in a fixed order, then each slot's sum to its
+        # assignment (at most one slot each); padding goes to a spare entry that is dropped
+        per_slot = part.sum(1)
+        n = T * k
+        acc = torch.zeros(n + 1, dtype=acc_dtype, device=x.device)
+        acc.index_add_(0, torch.where(token >= 0, sorted_ids, n), per_slot)
+        grad_topk = acc[:n].view(T, k).to(topk_weights.dtype)
+
+    grad_w2 = w2.new_empty((0,))
+    if want_w2:
+        grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=w2.device)
+        if grad_w2.numel():
+            _launch_k(aw.t(), _gather_rows(grad, token), offs, grad_w2, config)
+
+    # dH splits into the gate half (w1) and the up half (w3) with a separate w3; a fused w13
+    # takes all of it
+    dH_parts = [(dH[:, :F], w1), (dH[:, F:], w3)] if w3 is not None and want_dH else [(dH, w1)]
+    grad_w1, grad_w3 = w1.new_empty((0,)), w1.new_empty((0,))
+    if want_w1 or want_w3:
+        xs = _gather_rows(x, token)
+        if want_w1:
+            grad_w1 = torch.empty(w1.shape, dtype=w1.dtype, device=w1.device)
+            if grad_w1.numel():
+                _launch_k(xs.t(), dH_parts[0][0], offs, grad_w1, config)
+        if want_w3:
+            grad_w3 = torch.empty(w3.shape, dtype=w3.dtype, device=w3.device)
+            if grad_w3.numel():
+                _launch_k(xs.t(), dH_parts[1][0], offs, grad_w3, config)
+
+    grad_x = x.new_empty((0,))
+    if want_x:
+        terms = [(d, w.transpose(1, 2)) for d, w in dH_parts]
+        grad_x = _scatter_rows_sum(terms, offs, token, None, T, D, x.dtype, config)
+    return grad_x, grad_topk, grad_w1, grad_w2, grad_w3
+
+
+# ---------------------------------------------------------------------------------------------
+# Operators
+# ---------------------------------------------------------------------------------------------
+
+
+@triton_op("torch_moe::_triton_grouped_ffn", mutates_args=())
+def _triton_grouped_ffn(
+    x: Tensor,
+    sorted_ids: Tensor,
+    offs: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Optional[Tensor] = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> tuple[Tensor, Tensor]:
+    # Also the fake kernel (triton_op traces the body), so it must not read tensor values.
+    return grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit)
+
+
+@triton_op("torch_moe::_triton_grouped_ffn_backward", mutates_args=())
+def _triton_grouped_ffn_backward(
+    grad: Tensor,
+    x: Tensor,
+    sorted_ids: Tensor,
+    offs: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Optional[Tensor],
+    hidden: Tensor,
+    activation: str,
+    alpha: float,
+    limit: float,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return grouped_ffn_backward(
+        grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, alpha, limit,
+        output_mask,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernels of the public ops (see torch_moe._triton)
+# ---------------------------------------------------------------------------------------------
+
+KERNELS = {
+    "grouped_ffn": torch.ops.torch_moe._triton_grouped_ffn.default,
+    "grouped_ffn_backward": torch.ops.torch_moe._triton_grouped_ffn_backward.default,
+}
