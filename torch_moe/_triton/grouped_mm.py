@@ -54,7 +54,13 @@ from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
 
-__all__ = ["GemmConfig", "KERNELS", "grouped_mm", "indexed_grouped_mm"]
+__all__ = [
+    "GemmConfig",
+    "KERNELS",
+    "grouped_mm",
+    "indexed_grouped_mm",
+    "indexed_grouped_mm_backward",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,9 +86,13 @@ def _grouped_mm_rows_kernel(
     scatter_ptr,
     scale_ptr,
     out_ptr,
+    dot_x_ptr,
+    dot_index_ptr,
+    dot_ptr,
     num_rows,
     num_in_rows,
     num_out_rows,
+    num_dot_rows,
     N,
     K,
     num_groups,
@@ -93,9 +103,14 @@ def _grouped_mm_rows_kernel(
     stride_wn,
     stride_om,
     stride_on,
+    stride_dm,
+    stride_dn,
     HAS_GATHER: tl.constexpr,
     HAS_SCATTER: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    HAS_ROW_DOT: tl.constexpr,
+    HAS_DOT_INDEX: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -107,7 +122,14 @@ def _grouped_mm_rows_kernel(
 
     Shapes: x ``[num_in_rows, K]``, w ``[num_groups, K, N]``, offs ``[num_groups]`` int32;
     gather / scatter / scale ``[num_rows]`` (int64, int64, float); out ``[num_rows, N]``, or
-    ``[num_out_rows, N]`` accumulated in fp32 / fp64 with ``HAS_SCATTER``.
+    ``[num_out_rows, N]`` accumulated in fp32 / fp64 with ``HAS_SCATTER``, or nothing without
+    ``HAS_OUT``.
+
+    ``HAS_ROW_DOT`` (the gradient of the scale): before scaling, the row-wise dot products of the
+    tile with ``dot_x[dot_index[i]]`` (``[num_dot_rows, N]``; identity without ``HAS_DOT_INDEX``)
+    are stored to ``dot[col_tile, i]`` (``[cdiv(N, BLOCK_N), num_rows]``, zero-initialised, in
+    the accumulation dtype), one partial sum per column tile for a fixed-order sum by the
+    caller: no atomics. A slot padded on any side (gather, scatter or dot index) gives 0.
     grid = ``((cdiv(num_rows, BLOCK_M) + num_groups) * cdiv(N, BLOCK_N),)``.
     """
     pid = tl.program_id(0)
@@ -176,25 +198,44 @@ def _grouped_mm_rows_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
+    # the rows of a group (the tail's rows read nothing: no weight)
+    in_group = rows < tl.where(is_group, end_row, first_row)
+    if HAS_ROW_DOT:
+        if HAS_DOT_INDEX:
+            dot_src = tl.load(dot_index_ptr + rows, mask=row_ok, other=-1)
+            tl.device_assert((dot_src >= -1) & (dot_src < num_dot_rows), "index out of range")
+            dot_ok = src_ok & in_group & (dot_src >= 0) & (dot_src < num_dot_rows)
+        else:
+            dot_src = rows
+            dot_ok = src_ok & in_group
+        dot_x = tl.load(
+            dot_x_ptr + dot_src[:, None] * stride_dm + cols[None, :] * stride_dn,
+            mask=dot_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        # where, not a product with a zero row: the tile's rows of padded slots may be NaN
+        dots = tl.where(dot_ok, tl.sum(acc * dot_x.to(acc.dtype), 1), 0.0)
+        tl.store(dot_ptr + (pid % col_tiles) * num_rows + rows, dots, mask=row_ok)
     if HAS_SCALE:
         # not loaded on the tail, which stays exactly zero whatever the scale holds there
-        group_end = tl.where(is_group, end_row, first_row)
-        scale = tl.load(scale_ptr + rows, mask=rows < group_end, other=0.0)
+        scale = tl.load(scale_ptr + rows, mask=in_group, other=0.0)
         acc = acc * scale.to(acc.dtype)[:, None]
     if HAS_GATHER:
         # A padded slot's row is zero, not the product of a zero row: that product is NaN when
         # the group's weights hold an Inf, and so is its scale times zero when the scale is NaN.
         acc = tl.where(src_ok[:, None], acc, 0.0)
-    if HAS_SCATTER:
-        dst = tl.load(scatter_ptr + rows, mask=row_ok, other=-1)
-        tl.device_assert((dst >= -1) & (dst < num_out_rows), "scatter_index out of range")
-        dst_ok = row_ok & (dst >= 0) & (dst < num_out_rows)
-        out_ptrs = out_ptr + dst[:, None] * stride_om + cols[None, :] * stride_on
-        # relaxed: the adds only need to be atomic, not ordered with other memory operations
-        tl.atomic_add(out_ptrs, acc, mask=dst_ok[:, None] & col_ok[None, :], sem="relaxed")
-    else:
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if HAS_OUT:
+        if HAS_SCATTER:
+            dst = tl.load(scatter_ptr + rows, mask=row_ok, other=-1)
+            tl.device_assert((dst >= -1) & (dst < num_out_rows), "scatter_index out of range")
+            dst_ok = row_ok & (dst >= 0) & (dst < num_out_rows)
+            out_ptrs = out_ptr + dst[:, None] * stride_om + cols[None, :] * stride_on
+            # relaxed: the adds only need to be atomic, not ordered with other memory operations
+            tl.atomic_add(out_ptrs, acc, mask=dst_ok[:, None] & col_ok[None, :], sem="relaxed")
+        else:
+            out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+            out_mask = row_ok[:, None] & col_ok[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -349,13 +390,27 @@ def _launch_rows(
     gather_index: Optional[Tensor],
     scatter_index: Optional[Tensor],
     scale: Optional[Tensor],
-    out: Tensor,
+    out: Optional[Tensor],
     num_rows,
     config: Optional[GemmConfig],
+    *,
+    dot_x: Optional[Tensor] = None,
+    dot_index: Optional[Tensor] = None,
+    dot_out: Optional[Tensor] = None,
 ) -> None:
     """Launches the rows kernel: x ``[R, K]``, w ``[E, K, N]`` (any strides), ``num_rows`` = S
-    slots; writes ``out`` (``[S, N]``) or, with ``scatter_index``, adds into it."""
+    slots; writes ``out`` (``[S, N]``) or, with ``scatter_index``, adds into it (None: nothing).
+
+    With ``dot_out`` (``[cdiv(N, config.block_n), S]`` zeros in the accumulation dtype, so
+    ``config`` must be given), also stores the partial row-wise dot products of the unscaled rows
+    with ``dot_x[dot_index[i]]`` (``dot_x`` ``[Rd, N]``; ``dot_index`` ``[S]`` or None for the
+    identity): ``dot_out.sum(0)[i] = <x[gather[i]] @ w[g], dot_x[dot_index[i]]>``, 0 for padding.
+    """
     E, K, N = w.shape
+    torch._check(
+        dot_out is None or config is not None,
+        lambda: "_launch_rows: the row-wise dot products need an explicit config",
+    )
     cfg = config if config is not None else _default_config(x.dtype, N, K)
     row_tiles = triton.cdiv(num_rows, cfg.block_m) + E
     grid = (row_tiles * triton.cdiv(N, cfg.block_n),)
@@ -367,9 +422,13 @@ def _launch_rows(
         scatter_index,
         scale,
         out,
+        dot_x,
+        dot_index,
+        dot_out,
         num_rows,
         x.size(0),
-        out.size(0),
+        out.size(0) if out is not None else 0,
+        dot_x.size(0) if dot_x is not None else 0,
         N,
         K,
         E,
@@ -378,11 +437,16 @@ def _launch_rows(
         w.stride(0),
         w.stride(1),
         w.stride(2),
-        out.stride(0),
-        out.stride(1),
+        out.stride(0) if out is not None else 0,
+        out.stride(1) if out is not None else 0,
+        dot_x.stride(0) if dot_x is not None else 0,
+        dot_x.stride(1) if dot_x is not None else 0,
         HAS_GATHER=gather_index is not None,
         HAS_SCATTER=scatter_index is not None,
         HAS_SCALE=scale is not None,
+        HAS_OUT=out is not None,
+        HAS_ROW_DOT=dot_out is not None,
+        HAS_DOT_INDEX=dot_index is not None,
         INPUT_PRECISION=_input_precision(x.dtype),
         EVEN_K=bool(K % cfg.block_k == 0),  # a guard, not a symbol, under dynamic shapes
         BLOCK_M=cfg.block_m,
@@ -577,6 +641,108 @@ def indexed_grouped_mm(
     return acc if acc.dtype == input.dtype else acc.to(input.dtype)
 
 
+def indexed_grouped_mm_backward(
+    grad: Tensor,
+    input: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    gather_index: Optional[Tensor],
+    scatter_index: Optional[Tensor],
+    scatter_weight: Optional[Tensor],
+    output_mask: list[bool],
+    *,
+    config: Optional[GemmConfig] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch_moe::indexed_grouped_mm_backward`` with the Triton kernels (see
+    :func:`indexed_grouped_mm` for the forward, whose notation this follows)::
+
+        u_i = grad[scatter_index[i] or i] @ weight[g]^T                       [S, K]
+        grad_input[gather_index[i] or i] += u_i * scatter_weight[i]
+        grad_weight[g] = sum_{i in g} input[gather_index[i] or i]^T (outer) grad[...] * scatter_weight[i]
+        grad_scatter_weight[i] = <u_i, input[gather_index[i] or i]>
+
+    A slot padded on either side (-1) takes no part: it reads no row and contributes zero, and
+    its ``grad_scatter_weight`` is 0. Outputs that ``output_mask`` does not request are empty
+    ``[0]`` tensors.
+
+    Kernels: ``u`` is the rows kernel on the transposed weights, scattered into ``grad_input``
+    through ``gather_index`` (atomic adds into fp32, or in deterministic mode rows in slot order
+    then ``index_add_``), with ``grad_scatter_weight`` as its row-dot epilogue (partial sums per
+    column tile, summed in a fixed order); ``grad_weight`` is the gathered contraction-split kernel,
+    one program per output tile summing its group's slots in order, deterministic.
+    """
+    S = _checks.check_indexed_grouped_mm_backward(
+        grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+    )
+    want_input, want_weight, want_sw = output_mask
+    want_sw = want_sw and scatter_weight is not None
+    E, K, N = weight.shape
+    acc_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+    # u = grad @ weight^T is the rows kernel of the transposed problem: its rows are read from
+    # grad through scatter_index and written to grad_input through gather_index.
+    weight_t = weight.transpose(1, 2)
+    cfg = config if config is not None else _default_config(input.dtype, K, N)
+    grad_input = grad_sw = grad_input_acc = None
+    rows_out = None
+    if want_input and gather_index is None:
+        # slot order: written in the input dtype, rows past offs[-1] zero
+        grad_input = rows_out = input.new_empty(input.shape)
+    elif want_input and torch.are_deterministic_algorithms_enabled():
+        rows_out = input.new_empty((S, K), dtype=acc_dtype)
+    elif want_input:
+        grad_input_acc = rows_out = torch.zeros(input.shape, dtype=acc_dtype, device=input.device)
+    dot_out = None
+    if want_sw:
+        dot_out = torch.zeros(
+            (triton.cdiv(K, cfg.block_n), S), dtype=acc_dtype, device=input.device
+        )
+    if S > 0 and K > 0 and ((rows_out is not None and rows_out.numel()) or want_sw):
+        _launch_rows(
+            grad,
+            weight_t,
+            offs,
+            scatter_index,
+            gather_index if grad_input_acc is not None else None,
+            scatter_weight,
+            rows_out if rows_out is not None and rows_out.numel() else None,
+            S,
+            cfg,
+            dot_x=input if want_sw else None,
+            dot_index=gather_index if want_sw else None,
+            dot_out=dot_out,
+        )
+    if want_input and gather_index is not None:
+        if grad_input_acc is None:
+            # deterministic: the rows in slot order, summed by index_add_ (deterministic on CUDA
+            # in this mode, atomics are not)
+            rows_out.masked_fill_((gather_index < 0).unsqueeze(1), 0)
+            grad_input_acc = torch.zeros(input.shape, dtype=acc_dtype, device=input.device)
+            if grad_input_acc.size(0):
+                # with no input rows every slot is padding: there is no row 0 to clamp to
+                grad_input_acc.index_add_(0, gather_index.clamp(min=0), rows_out)
+        grad_input = (
+            grad_input_acc if grad_input_acc.dtype == input.dtype
+            else grad_input_acc.to(input.dtype)
+        )
+    if want_sw:
+        grad_sw = dot_out.sum(0, dtype=acc_dtype).to(scatter_weight.dtype)
+    grad_weight = None
+    if want_weight:
+        grad_weight = weight.new_empty(weight.shape)
+        if grad_weight.numel():
+            _launch_k_rows(
+                input, grad, offs, grad_weight, config,
+                a_index=gather_index, b_index=scatter_index, b_scale=scatter_weight,
+            )
+    if not want_sw:
+        grad_sw = (scatter_weight if scatter_weight is not None else input).new_empty((0,))
+    return (
+        grad_input if want_input else input.new_empty((0,)),
+        grad_weight if want_weight else weight.new_empty((0,)),
+        grad_sw,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Operators
 # ---------------------------------------------------------------------------------------------
@@ -603,6 +769,22 @@ def _triton_indexed_grouped_mm(
     )
 
 
+@triton_op("torch_moe::_triton_indexed_grouped_mm_backward", mutates_args=())
+def _triton_indexed_grouped_mm_backward(
+    grad: Tensor,
+    input: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    gather_index: Optional[Tensor],
+    scatter_index: Optional[Tensor],
+    scatter_weight: Optional[Tensor],
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    return indexed_grouped_mm_backward(
+        grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The CUDA kernels of the public ops (see torch_moe._triton)
 # ---------------------------------------------------------------------------------------------
@@ -610,4 +792,5 @@ def _triton_indexed_grouped_mm(
 KERNELS = {
     "grouped_mm": torch.ops.torch_moe._triton_grouped_mm.default,
     "indexed_grouped_mm": torch.ops.torch_moe._triton_indexed_grouped_mm.default,
+    "indexed_grouped_mm_backward": torch.ops.torch_moe._triton_indexed_grouped_mm_backward.default,
 }
