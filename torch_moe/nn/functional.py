@@ -385,7 +385,9 @@ def token_sort_with_capacity(
     # order by expert, then weight (descending), then assignment index: two stable sorts
     by_weight = torch.sort(weights.detach(), descending=True, stable=True).indices
     order = by_weight[torch.sort(ids[by_weight], stable=True).indices]
-    counts = torch.bincount(ids, minlength=num_experts)
+    # a scatter-add, not bincount: bincount's output size is max(ids) + 1, read on the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids))
     starts = counts.cumsum(0) - counts
     rank = torch.arange(n, device=ids.device) - starts[ids[order]]
     keep = rank < capacity
