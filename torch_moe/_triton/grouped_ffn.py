@@ -628,7 +628,7 @@ def grouped_ffn_backward(
         n = T * k
         acc = torch.zeros(n + 1, dtype=acc_dtype, device=x.device)
         acc.index_add_(0, torch.where(token >= 0, sorted_ids, n), per_slot)
-        grad_topk = acc[:n].view(T, k).to(topk_weights.dtype)
+        grad_topk = acc.narrow(0, 0, n).view(T, k).to(topk_weights.dtype)
 
     grad_w2 = w2.new_empty((0,))
     if want_w2:
@@ -637,8 +637,12 @@ def grouped_ffn_backward(
             _launch_k(aw.t(), _gather_rows(grad, token), offs, grad_w2, config)
 
     # dH splits into the gate half (w1) and the up half (w3) with a separate w3; a fused w13
-    # takes all of it
-    dH_parts = [(dH[:, :F], w1), (dH[:, F:], w3)] if w3 is not None and want_dH else [(dH, w1)]
+    # takes all of it. (narrow, not indexing: Tensor.__getitem__ fails on fake CUDA tensors
+    # without a CUDA build)
+    if w3 is not None and want_dH:
+        dH_parts = [(dH.narrow(1, 0, F), w1), (dH.narrow(1, F, F), w3)]
+    else:
+        dH_parts = [(dH, w1)]
     grad_w1, grad_w3 = w1.new_empty((0,)), w1.new_empty((0,))
     if want_w1 or want_w3:
         xs = _gather_rows(x, token)

@@ -1,0 +1,426 @@
+# Owner(s): ["module: moe"]
+"""The Triton expert FFN (:mod:`torch_moe._triton.grouped_ffn`), forward and backward.
+
+* Numerics (``TRITON_INTERPRET=1``, a subprocess per check): the kernel entries run on small CPU
+  tensors and are compared with the CPU kernels of ``torch_moe::grouped_ffn`` /
+  ``torch_moe::grouped_ffn_backward`` on the same values in fp32: every activation, gated with
+  separate w1 / w3 and with a fused w13, ungated; bf16, fp16, fp32; routings with padding
+  (``align=4``), empty experts, all tokens on one expert, no tokens, dropped assignments
+  (``token_sort_with_capacity``); output_mask subsets; deterministic mode (which also NaN-fills
+  fresh memory, so a row a kernel fails to write shows).
+
+  Tolerances: ``hidden`` is one rounding of an fp32 GEMM. ``out`` and the gradients go through
+  16-bit intermediates (the activation output, ``dH``, the gathered rows), so for bf16 / fp16
+  they are compared with a few roundings of the largest magnitude as absolute tolerance. The
+  backward reference is given the kernel's own ``hidden`` (upcast), so a clamp of swiglu_oai
+  takes the same side in both.
+* Tracing (no interpreter): the CUDA kernels of the public ops run on fake CUDA tensors and give
+  the fake kernels' shapes, dtypes and strides (nothing is launched).
+* :class:`TestTritonGroupedFFNDevice`: the same comparisons through the public ops at small
+  realistic shapes, on a GPU only.
+"""
+
+import contextlib
+
+import torch
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from _interpreter import (
+    assert_matches,
+    deterministic,
+    patch_interpreter_bf16_dot,
+    requires_triton,
+    run_check,
+)
+
+GATED = ("swiglu", "geglu", "swiglu_oai")
+ACTIVATIONS = GATED + ("gelu", "relu")
+# a limit that the pre-activations cross on both sides, so the clamps of swiglu_oai engage
+ALPHA, LIMIT = 1.702, 1.25
+FULL_MASK = [True] * 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems shared by the checks and the device tests
+# ---------------------------------------------------------------------------------------------
+
+
+def _routing(kind: str, T: int, k: int, E: int, generator, device="cpu"):
+    """(sorted_ids, offs, topk_weights) of a routing of T tokens, built on CPU."""
+    from torch_moe.nn.functional import token_sort_with_capacity
+
+    topk_weights = torch.rand(T, k, generator=generator)
+    if kind == "one expert":
+        # expert 1 only (k = 1): the others are empty
+        topk_ids = torch.ones(T, k, dtype=torch.int64)
+    elif T == 0:
+        topk_ids = torch.empty(0, k, dtype=torch.int64)
+    else:
+        # k distinct experts per token among the first E - 1: the last expert's group is empty
+        topk_ids = torch.stack([torch.randperm(E - 1, generator=generator)[:k] for _ in range(T)])
+    if kind == "dropped":
+        sorted_ids, offs, _, _ = token_sort_with_capacity(topk_ids, topk_weights, E, 2, 1)
+    else:
+        align = 1 if kind == "dense" else 4
+        sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(topk_ids, E, align)
+    return sorted_ids.to(device), offs.to(device), topk_weights.to(device)
+
+
+def _weights(activation: str, layout: str, E: int, D: int, F: int, generator):
+    """(w1, w2, w3): w3 None for a fused w13 and for the ungated kinds."""
+    def randn(*shape, fan_in):
+        return torch.randn(shape, generator=generator) / fan_in**0.5
+
+    w2 = randn(E, F, D, fan_in=F) * 2
+    if activation not in GATED:
+        return randn(E, D, F, fan_in=D) * 2, w2, None
+    if layout == "fused":
+        return randn(E, D, 2 * F, fan_in=D) * 2, w2, None
+    return randn(E, D, F, fan_in=D) * 2, w2, randn(E, D, F, fan_in=D) * 2
+
+
+def _cast(args, dtype, device=None):
+    """Floating tensors to ``dtype``, all tensors to ``device``."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point():
+                a = a.to(dtype)
+            if device is not None:
+                a = a.to(device)
+        out.append(a)
+    return out
+
+
+def _assert_close(actual, expected, what, rounded_intermediates=True):
+    """``actual`` (a kernel output, in its dtype) against the fp32 CPU op.
+
+    16-bit outputs computed from 16-bit intermediates (the activation output, dH) differ from
+    the fp32 reference by a few roundings of the operands of their last GEMM: an absolute
+    tolerance of a few units of the largest magnitude."""
+    if actual.dtype in (torch.bfloat16, torch.float16) and rounded_intermediates:
+        eps = 2.0**-8 if actual.dtype == torch.bfloat16 else 2.0**-11
+        scale = expected.abs().max().item() if expected.numel() else 0.0
+        torch.testing.assert_close(
+            actual.float(), expected.float(), rtol=4 * eps, atol=8 * eps * scale + 1e-5, msg=what
+        )
+    elif actual.dtype == torch.float32 and rounded_intermediates:
+        # summation order: the rows kernel accumulates in tiles, the CPU kernel per group
+        torch.testing.assert_close(actual, expected.float(), rtol=1e-5, atol=2e-5, msg=what)
+    else:
+        assert_matches(actual, expected, what)
+
+
+def _compare_forward(fn, args, what):
+    """Runs the forward ``fn(*args)`` against the CPU op on the fp32 values."""
+    dtype = args[0].dtype
+    out, hidden = fn(*args)
+    ref_out, ref_hidden = torch.ops.torch_moe.grouped_ffn(
+        *_cast(args[:7], torch.float32, "cpu"), *args[7:]
+    )
+    assert out.shape == ref_out.shape and out.dtype == dtype and out.is_contiguous(), what
+    assert hidden.shape == ref_hidden.shape and hidden.dtype == dtype, what
+    # hidden: one rounding of an fp32 GEMM
+    _assert_close(hidden.cpu(), ref_hidden, f"{what}: hidden", rounded_intermediates=False)
+    _assert_close(out.cpu(), ref_out, f"{what}: out")
+    return hidden
+
+
+def _compare_backward(fn, args, what):
+    """Runs the backward ``fn(*args)`` against the CPU op on the fp32 values; checks the empty
+    outputs that output_mask asks for."""
+    got = fn(*args)
+    ref = torch.ops.torch_moe.grouped_ffn_backward(
+        *_cast(args[:9], torch.float32, "cpu"), *args[9:]
+    )
+    names = ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "grad_w3")
+    for name, g, r in zip(names, got, ref):
+        assert g.shape == r.shape, (what, name, g.shape, r.shape)
+        assert g.is_contiguous(), (what, name)
+        if g.numel():
+            assert torch.isfinite(g).all(), (what, name)
+            _assert_close(g.cpu(), r, f"{what}: {name}")
+
+
+def _forward_args(x, routing, weights, activation):
+    sorted_ids, offs, topk_weights = routing
+    w1, w2, w3 = weights
+    return [x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, ALPHA, LIMIT]
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs in the subprocess (TRITON_INTERPRET=1)
+# ---------------------------------------------------------------------------------------------
+
+T, K_TOP, E, D, F = 9, 2, 3, 32, 32
+# (kind, T, k): no padding; one expert holding every token; capacity 2 (dropped assignments
+# after offs[-1]); no tokens at all, padding only
+ROUTINGS = (("dense", T, K_TOP), ("one expert", T, 1), ("dropped", 12, K_TOP), ("padded", 0, K_TOP))
+
+
+def _small_config():
+    from torch_moe._triton.grouped_mm import GemmConfig
+
+    # two row tiles per group, two column tiles of F (partial sums of the routing gradient over
+    # both), two K steps
+    return GemmConfig(16, 16, 16)
+
+
+def _layouts():
+    for activation in ACTIVATIONS:
+        for layout in ("separate", "fused") if activation in GATED else ("plain",):
+            yield activation, layout
+
+
+def _check_forward_activations() -> None:
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(0)
+    routing = _routing("padded", T, K_TOP, E, g)
+    x = torch.randn(T, D, generator=g)
+    for activation, layout in _layouts():
+        weights = _weights(activation, layout, E, D, F, g)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            args = _cast(_forward_args(x, routing, weights, activation), dtype)
+            args[3] = routing[2]  # fp32 routing weights with 16-bit activations
+            what = f"forward {activation} {layout} {dtype}"
+            with deterministic():
+                _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfg), args, what)
+    # the triton_op, default tiles, atomic combine
+    for activation, layout in (("swiglu", "separate"), ("gelu", "plain")):
+        args = _forward_args(x, routing, _weights(activation, layout, E, D, F, g), activation)
+        _compare_forward(torch.ops.torch_moe._triton_grouped_ffn, args, f"triton_op {activation}")
+
+
+def _check_forward_routings() -> None:
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(1)
+    for kind, num_tokens, k in ROUTINGS:
+        routing = _routing(kind, num_tokens, k, E, g)
+        x = torch.randn(num_tokens, D, generator=g)
+        for activation, layout in (("swiglu", "separate"), ("swiglu_oai", "fused"), ("relu", "")):
+            weights = _weights(activation, layout, E, D, F, g)
+            for dtype, in_order in ((torch.float32, False), (torch.bfloat16, True)):
+                args = _cast(_forward_args(x, routing, weights, activation), dtype)
+                what = f"forward {kind} T={num_tokens} {activation} {dtype} det={in_order}"
+                with deterministic() if in_order else contextlib.nullcontext():
+                    _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfg), args, what)
+
+
+def _backward_args(fwd_args, hidden, grad, mask):
+    x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit = fwd_args
+    return [grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, alpha,
+            limit, mask]
+
+
+def _check_backward_activations() -> None:
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(2)
+    routing = _routing("padded", T, K_TOP, E, g)
+    x = torch.randn(T, D, generator=g)
+    grad = torch.randn(T, D, generator=g)
+    for activation, layout in _layouts():
+        weights = _weights(activation, layout, E, D, F, g)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            args = _cast(_forward_args(x, routing, weights, activation), dtype)
+            hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+            bargs = _backward_args(args, hidden, grad.to(dtype), FULL_MASK)
+            what = f"backward {activation} {layout} {dtype}"
+            with deterministic():
+                _compare_backward(lambda *a: M.grouped_ffn_backward(*a, config=cfg), bargs, what)
+    args = _forward_args(x, routing, _weights("geglu", "separate", E, D, F, g), "geglu")
+    hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+    _compare_backward(
+        torch.ops.torch_moe._triton_grouped_ffn_backward,
+        _backward_args(args, hidden, grad, FULL_MASK), "triton_op backward geglu",
+    )
+
+
+def _check_backward_routings_and_masks() -> None:
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(3)
+    masks = (
+        [True, False, False, False, False],
+        [False, True, False, False, False],
+        [False, False, True, True, True],
+        [False, False, False, True, False],
+        [True, True, False, False, True],
+    )
+    for kind, num_tokens, k in ROUTINGS:
+        routing = _routing(kind, num_tokens, k, E, g)
+        x = torch.randn(num_tokens, D, generator=g)
+        grad = torch.randn(num_tokens, D, generator=g)
+        for activation, layout in (("swiglu", "separate"), ("swiglu_oai", "fused"), ("gelu", "")):
+            args = _forward_args(x, routing, _weights(activation, layout, E, D, F, g), activation)
+            hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+            for in_order in (False, True):
+                with deterministic() if in_order else contextlib.nullcontext():
+                    what = f"backward {kind} T={num_tokens} {activation} det={in_order}"
+                    _compare_backward(
+                        lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                        _backward_args(args, hidden, grad, FULL_MASK), what,
+                    )
+        # output_mask subsets (separate w1 / w3: grad_w3 is its own output), bf16
+        args = _cast(
+            _forward_args(x, routing, _weights("swiglu", "separate", E, D, F, g), "swiglu"),
+            torch.bfloat16,
+        )
+        hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+        for mask in masks:
+            with deterministic():
+                _compare_backward(
+                    lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                    _backward_args(args, hidden, grad.bfloat16(), mask),
+                    f"backward {kind} T={num_tokens} mask={mask}",
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs in the subprocess (no interpreter)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_fake_cuda() -> None:
+    """The CUDA kernels run on fake CUDA tensors (nothing is launched, nothing read) and give the
+    fake kernels' outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import torch_moe
+    from torch_moe._triton import cuda_kernel, grouped_ffn as M
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a fake tensor run launched a Triton kernel")
+
+    for kernel in (M._ffn_up_kernel, M._ffn_down_backward_kernel):
+        kernel.run = launched
+
+    S = 40
+    with FakeTensorMode():
+        def t(*shape, dtype=torch.bfloat16):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+        x, grad = t(T, D), t(T, D)
+        sorted_ids, offs, topk = t(S, dtype=torch.int64), t(E, dtype=torch.int32), t(T, K_TOP)
+        w2 = t(E, F, D)
+        layouts = {
+            "separate": ("swiglu", t(E, D, F), t(E, D, F), 2 * F),
+            "fused": ("geglu", t(E, D, 2 * F), None, 2 * F),
+            "plain": ("relu", t(E, D, F), None, F),
+        }
+        for name, (activation, w1, w3, H) in layouts.items():
+            fwd = (x, sorted_ids, offs, topk, w1, w2, w3, activation, ALPHA, LIMIT)
+            out, hidden = cuda_kernel("grouped_ffn")(*fwd)
+            ref = torch_moe._meta_registrations.grouped_ffn_meta(*fwd)
+            for a, b in zip((out, hidden), ref):
+                assert a.shape == b.shape and a.dtype == b.dtype, name
+                assert a.stride() == b.stride() and a.device == b.device, name
+            assert hidden.shape == (S, H), name
+            for mask in (FULL_MASK, [True, False, True, False, True], [False, True, False, True,
+                                                                       False]):
+                bwd = (grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden, activation, ALPHA,
+                       LIMIT, mask)
+                got = cuda_kernel("grouped_ffn_backward")(*bwd)
+                ref = torch_moe._meta_registrations.grouped_ffn_backward_meta(*bwd)
+                for a, b in zip(got, ref):
+                    assert a.shape == b.shape and a.dtype == b.dtype, (name, mask)
+                    assert a.stride() == b.stride() and a.device == b.device, (name, mask)
+            with deterministic():
+                cuda_kernel("grouped_ffn")(*fwd)
+                cuda_kernel("grouped_ffn_backward")(*bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests (parent process)
+# ---------------------------------------------------------------------------------------------
+
+
+@requires_triton
+class TestTritonGroupedFFN(TestCase):
+    def _run(self, check: str, interpret: bool = True) -> None:
+        run_check(self, "test_triton_grouped_ffn", check, interpret=interpret)
+
+    def test_forward_activations_interpreted(self):
+        self._run("_check_forward_activations")
+
+    def test_forward_routings_interpreted(self):
+        self._run("_check_forward_routings")
+
+    def test_backward_activations_interpreted(self):
+        self._run("_check_backward_activations")
+
+    def test_backward_routings_and_masks_interpreted(self):
+        self._run("_check_backward_routings_and_masks")
+
+    def test_fake_cuda(self):
+        self._run("_check_fake_cuda", interpret=False)
+
+
+class TestTritonGroupedFFNDevice(TestCase):
+    """The public ops on CUDA tensors (the Triton kernels) against the CPU kernels, in fp32."""
+
+    def _problem(self, device, activation, layout, dtype, kind="padded"):
+        g = torch.Generator().manual_seed(0)
+        num_tokens, k, E_, D_, F_ = 256, 2, 8, 256, 384
+        routing = _routing(kind, num_tokens, k, E_, g)
+        x = torch.randn(num_tokens, D_, generator=g)
+        args = _forward_args(x, routing, _weights(activation, layout, E_, D_, F_, g), activation)
+        args = _cast(args, dtype, device)
+        args[3] = args[3].float()
+        return args
+
+    @onlyCUDA
+    def test_grouped_ffn(self, device):
+        for activation, layout in _layouts():
+            for dtype in (torch.float32, torch.bfloat16):
+                for in_order in (False, True):
+                    args = self._problem(device, activation, layout, dtype)
+                    what = f"{activation} {layout} {dtype} det={in_order}"
+                    with deterministic() if in_order else contextlib.nullcontext():
+                        _compare_forward(torch.ops.torch_moe.grouped_ffn, args, what)
+
+    @onlyCUDA
+    def test_grouped_ffn_routings(self, device):
+        for kind in ("dense", "one expert", "dropped"):
+            args = self._problem(device, "swiglu", "fused", torch.bfloat16, kind)
+            _compare_forward(torch.ops.torch_moe.grouped_ffn, args, kind)
+            hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+            grad = torch.randn_like(args[0])
+            _compare_backward(
+                torch.ops.torch_moe.grouped_ffn_backward,
+                _backward_args(args, hidden, grad, FULL_MASK), kind,
+            )
+
+    @onlyCUDA
+    def test_grouped_ffn_backward(self, device):
+        for activation, layout in _layouts():
+            for dtype in (torch.float32, torch.bfloat16):
+                args = self._problem(device, activation, layout, dtype)
+                hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+                grad = torch.randn_like(args[0])
+                for mask in (FULL_MASK, [False, True, False, True, False]):
+                    for in_order in (False, True):
+                        what = f"{activation} {layout} {dtype} {mask} det={in_order}"
+                        with deterministic() if in_order else contextlib.nullcontext():
+                            _compare_backward(
+                                torch.ops.torch_moe.grouped_ffn_backward,
+                                _backward_args(args, hidden, grad, mask), what,
+                            )
+
+
+instantiate_device_type_tests(TestTritonGroupedFFNDevice, globals(), only_for="cuda")
+
+
+if __name__ == "__main__":
+    run_tests()
