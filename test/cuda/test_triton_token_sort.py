@@ -20,7 +20,7 @@ import torch
 from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import TestCase, parametrize, run_tests
 
-from _interpreter import requires_triton, run_check
+from _interpreter import deterministic, requires_triton, run_check
 
 
 def _assert_same(actual, expected, what: str) -> None:
@@ -36,8 +36,8 @@ def _cases(g: torch.Generator):
         # k distinct experts per token, as a router picks them
         return torch.rand(T, E, generator=g).argsort(1)[:, :k].to(dtype)
 
-    skewed = rand(16, 2, 4)
-    skewed[:12, 0] = 2  # most assignments on expert 2, in every block
+    skewed = rand(24, 2, 4)
+    skewed[:18, 0] = 2  # most assignments on expert 2, in every block
     cases = [
         ("random", rand(16, 2, 4), 4, 1),
         ("random int32", rand(16, 3, 4, torch.int32), 4, 1),
@@ -70,13 +70,20 @@ def _check_token_sort() -> None:
 
     g = torch.Generator().manual_seed(0)
     # (block, max_programs): one block per program; blocks of 16 in separate programs; several
-    # blocks walked by one program (its cursors advance block by block); a mix of both
-    layouts = [(None, None), (16, None), (16, 1), (16, 2)]
+    # blocks walked by one program (its cursors advance block by block); and, with three blocks
+    # or more, a mix of both (two programs, the first walking two blocks)
     for what, ids, E, align in _cases(g):
         expected = torch.ops.torch_moe.token_sort(ids, E, align)
+        layouts = [(None, None), (16, None), (16, 1)] + [(16, 2)] * (ids.numel() > 32)
         for block, max_programs in layouts:
             actual = token_sort(ids, E, align, block=block, max_programs=max_programs)
             _assert_same(actual, expected, f"{what}, block={block}, max_programs={max_programs}")
+    # deterministic mode fills fresh memory (sorted_ids starts empty when align == 1): every slot
+    # must be written
+    with deterministic():
+        for what, ids, E, align in _cases(g)[:2]:
+            expected = torch.ops.torch_moe.token_sort(ids, E, align)
+            _assert_same(token_sort(ids, E, align, block=16), expected, f"{what}, deterministic")
     # through the public entry of the CUDA kernel
     from torch_moe._triton import cuda_kernel
 
@@ -97,6 +104,16 @@ def _check_out_of_range_raises() -> None:
             assert "expected topk_ids values in [0, 4)" in str(e), str(e)
         else:
             raise AssertionError(f"expert id {bad} of 4 experts did not raise")
+
+    # Without the check (on a GPU it fires asynchronously, after the kernels ran), the kernels
+    # clamp invalid ids into [0, E): they sort the clamped ids and write nothing out of bounds.
+    from torch_moe._triton import token_sort as T
+
+    T.assert_async = lambda condition, message: None
+    ids = torch.tensor([[0, 7], [-3, 1], [2, 2**40], [3, -1]])
+    for align in (1, 4):
+        expected = torch.ops.torch_moe.token_sort(ids.clamp(0, 3), 4, align)
+        _assert_same(T.token_sort(ids, 4, align, block=16), expected, f"clamped, align {align}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +215,7 @@ class TestTritonTokenSortDevice(TestCase):
     def _routing(self, T, k, E, dtype, skew: bool):
         g = torch.Generator().manual_seed(T * 1000 + E)
         if not skew:
-            return torch.rand(T, E, generator=g).argsort(1)[:, :k].to(dtype)
+            return torch.randint(0, E, (T, k), generator=g, dtype=dtype)
         # the last quarter of the experts empty, and a popular expert
         ids = torch.randint(0, E * 3 // 4, (T, k), generator=g)
         ids[: T // 2, 0] = 1
