@@ -44,7 +44,8 @@ in its generated code instead of calling back into Python. :data:`KERNELS` makes
 CUDA kernels of the public ops (see :mod:`torch_moe._triton`).
 """
 
-from typing import NamedTuple, Optional
+import functools
+from typing import Optional
 
 import torch
 import triton
@@ -53,6 +54,13 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
+from torch_moe._triton._configs import (
+    _block,
+    autotune_candidates,
+    device_arch,
+    GemmConfig,
+    pick_config,
+)
 
 __all__ = [
     "GemmConfig",
@@ -341,46 +349,52 @@ def _grouped_mm_k_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-class GemmConfig(NamedTuple):
-    """Tile sizes (powers of two, at least 16 for ``tl.dot``) and launch parameters."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def _block(n, low: int, high: int) -> int:
-    """The smallest power of two in [low, high] that is >= n (``high`` if none is).
-
-    Written with comparisons only, so that a symbolic ``n`` gives guards, not errors.
-    """
-    b = low
-    while b < high and b < n:
-        b *= 2
-    return b
-
-
-def _default_config(dtype: torch.dtype, n, k) -> GemmConfig:
-    # 64 x 128 x 64 tiles with 3 stages fit the shared memory of every GPU since Ampere for
-    # 16-bit operands ((64 * 64 + 64 * 128) * 2 B * 3 = 72 KiB); 4-byte and 8-byte operands halve
-    # BLOCK_N and BLOCK_K to stay within it. M is the token dimension and not narrowed: it varies
-    # from call to call, and a fixed block keeps one compiled kernel.
-    wide = dtype.itemsize <= 2
-    return GemmConfig(
-        block_m=64,
-        block_n=_block(n, 16, 128 if wide else 64),
-        block_k=_block(k, 16, 64 if wide else 32),
-    )
-
-
 def _input_precision(dtype: torch.dtype) -> str:
     # fp32 GEMMs follow torch's TF32 setting as cuBLAS and Inductor's templates do (off by
     # default); it is read at launch, or at trace time under torch.compile. Other dtypes ignore it.
     if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision == "tf32":
         return "tf32"
     return "ieee"
+
+
+@functools.cache
+def _autotuned(kernel, candidates: tuple, key: tuple, reset_to_zero: tuple):
+    """``kernel`` under ``triton.autotune`` over ``candidates`` (GemmConfigs), one autotuner per
+    candidate set: the set depends on the shape bucket, the measurement on ``key``."""
+    configs = [
+        triton.Config(
+            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k},
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
+        for c in candidates
+    ]
+    return triton.autotune(configs=configs, key=list(key), reset_to_zero=list(reset_to_zero))(
+        kernel
+    )
+
+
+def _launch(kernel, grid, args, flags, config, candidates, key, reset_to_zero=()):
+    """Launches ``kernel`` with the explicit ``config``, or autotuned over ``candidates``.
+
+    ``grid(block_m, block_n)`` gives the launch grid of a config. The explicit config is passed
+    as the kernel's block sizes and launch parameters; an autotuned launch takes them from the
+    autotuner (torch.compile's wrapper would otherwise apply num_warps / num_stages to every
+    candidate).
+    """
+    if config is not None:
+        wrap_triton(kernel)[(grid(config.block_m, config.block_n),)](
+            *args,
+            **flags,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    else:
+        tuned = _autotuned(kernel, tuple(candidates), key, reset_to_zero)
+        wrap_triton(tuned)[lambda meta: (grid(meta["BLOCK_M"], meta["BLOCK_N"]),)](*args, **flags)
 
 
 def _launch_rows(
@@ -411,10 +425,8 @@ def _launch_rows(
         dot_out is None or config is not None,
         lambda: "_launch_rows: the row-wise dot products need an explicit config",
     )
-    cfg = config if config is not None else _default_config(x.dtype, N, K)
-    row_tiles = triton.cdiv(num_rows, cfg.block_m) + E
-    grid = (row_tiles * triton.cdiv(N, cfg.block_n),)
-    wrap_triton(_grouped_mm_rows_kernel)[grid](
+    table = config if config is not None else _rows_table_config(x, num_rows, N, K, E)
+    args = (
         x,
         w,
         offs,
@@ -441,6 +453,8 @@ def _launch_rows(
         out.stride(1) if out is not None else 0,
         dot_x.stride(0) if dot_x is not None else 0,
         dot_x.stride(1) if dot_x is not None else 0,
+    )
+    flags = dict(
         HAS_GATHER=gather_index is not None,
         HAS_SCATTER=scatter_index is not None,
         HAS_SCALE=scale is not None,
@@ -448,14 +462,28 @@ def _launch_rows(
         HAS_ROW_DOT=dot_out is not None,
         HAS_DOT_INDEX=dot_index is not None,
         INPUT_PRECISION=_input_precision(x.dtype),
-        EVEN_K=bool(K % cfg.block_k == 0),  # a guard, not a symbol, under dynamic shapes
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        # the candidates share the table's BLOCK_K; a guard, not a symbol, under dynamic shapes
+        EVEN_K=bool(K % table.block_k == 0),
         BLOCK_E=_block(E + 1, 2, 2 ** 30),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+
+    def grid(block_m, block_n):
+        return (triton.cdiv(num_rows, block_m) + E) * triton.cdiv(N, block_n)
+
+    candidates = (
+        None if config is not None
+        else autotune_candidates(table, x.dtype, device_arch(x.device), None, N)
+    )
+    # the scattered launch accumulates into out: zeroed before each measured run
+    reset = ("out_ptr",) if scatter_index is not None and out is not None else ()
+    _launch(_grouped_mm_rows_kernel, grid, args, flags, config, candidates,
+            ("N", "K", "num_groups"), reset)
+
+
+def _rows_table_config(x: Tensor, num_rows, N, K, E) -> GemmConfig:
+    """The table's config of a rows launch (x: its input rows; N output columns, K contraction,
+    E groups over num_rows slots)."""
+    return pick_config("rows", x.dtype, device_arch(x.device), num_rows, N, K, E)
 
 
 def _launch_k(
@@ -500,9 +528,7 @@ def _launch_k_rows(
         lambda: "_launch_k_rows: expected out of shape [offs.size(0), a_rows.size(1), "
         f"b_rows.size(1)], but got {list(out.shape)}",
     )
-    cfg = config if config is not None else _default_config(a_rows.dtype, N, num_slots)
-    grid = (G * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    wrap_triton(_grouped_mm_k_kernel)[grid](
+    args = (
         a_rows,
         b_rows,
         offs,
@@ -522,16 +548,24 @@ def _launch_k_rows(
         out.stride(0),
         out.stride(1),
         out.stride(2),
+    )
+    flags = dict(
         HAS_A_INDEX=a_index is not None,
         HAS_B_INDEX=b_index is not None,
         HAS_B_SCALE=b_scale is not None,
         INPUT_PRECISION=_input_precision(a_rows.dtype),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+
+    def grid(block_m, block_n):
+        return G * triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+
+    candidates = None
+    if config is None:
+        arch = device_arch(a_rows.device)
+        table = pick_config("k", a_rows.dtype, arch, M, N, num_slots, G)
+        candidates = autotune_candidates(table, a_rows.dtype, arch, M, N)
+    # every program writes its tile (nothing accumulates): measured runs need no reset
+    _launch(_grouped_mm_k_kernel, grid, args, flags, config, candidates, ("M", "N"))
 
 
 def grouped_mm(
@@ -681,7 +715,8 @@ def indexed_grouped_mm_backward(
     # u = grad @ weight^T is the rows kernel of the transposed problem: its rows are read from
     # grad through scatter_index and written to grad_input through gather_index.
     weight_t = weight.transpose(1, 2)
-    cfg = config if config is not None else _default_config(input.dtype, K, N)
+    # the row-dot partial sums have one row per column tile: a fixed config, not autotuned
+    cfg = config if config is not None else _rows_table_config(grad, S, K, N, E)
     grad_input = grad_sw = grad_input_acc = None
     rows_out = None
     if want_input and gather_index is None:
@@ -706,7 +741,7 @@ def indexed_grouped_mm_backward(
             scatter_weight,
             rows_out if rows_out is not None and rows_out.numel() else None,
             S,
-            cfg,
+            cfg if want_sw else config,
             dot_x=input if want_sw else None,
             dot_index=gather_index if want_sw else None,
             dot_out=dot_out,
