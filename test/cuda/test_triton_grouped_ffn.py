@@ -157,14 +157,20 @@ T, K_TOP, E, D, F = 9, 2, 3, 32, 32
 # (kind, T, k): no padding; one expert holding every token; capacity 2 (dropped assignments
 # after offs[-1]); no tokens at all, padding only
 ROUTINGS = (("dense", T, K_TOP), ("one expert", T, 1), ("dropped", 12, K_TOP), ("padded", 0, K_TOP))
+# sizes that the tiles do not divide (masked K steps and columns), for the routing checks
+D_ODD, F_ODD = 24, 40
+
+
+def _configs():
+    from torch_moe._triton.grouped_mm import GemmConfig
+
+    # small: several row tiles per group, several column tiles of F (partial sums of the routing
+    # gradient over them), several K steps; wide_k: one K step wider than D (masked loads)
+    return {"small": GemmConfig(16, 16, 16), "wide_k": GemmConfig(16, 32, 64)}
 
 
 def _small_config():
-    from torch_moe._triton.grouped_mm import GemmConfig
-
-    # two row tiles per group, two column tiles of F (partial sums of the routing gradient over
-    # both), two K steps
-    return GemmConfig(16, 16, 16)
+    return _configs()["small"]
 
 
 def _layouts():
@@ -199,18 +205,22 @@ def _check_forward_routings() -> None:
     patch_interpreter_bf16_dot()
     from torch_moe._triton import grouped_ffn as M
 
-    cfg = _small_config()
+    cfgs = _configs()
     g = torch.Generator().manual_seed(1)
     for kind, num_tokens, k in ROUTINGS:
         routing = _routing(kind, num_tokens, k, E, g)
-        x = torch.randn(num_tokens, D, generator=g)
+        x = torch.randn(num_tokens, D_ODD, generator=g)
         for activation, layout in (("swiglu", "separate"), ("swiglu_oai", "fused"), ("relu", "")):
-            weights = _weights(activation, layout, E, D, F, g)
-            for dtype, in_order in ((torch.float32, False), (torch.bfloat16, True)):
+            weights = _weights(activation, layout, E, D_ODD, F_ODD, g)
+            cases = ((torch.float32, False, "small"), (torch.bfloat16, True, "wide_k"))
+            for dtype, in_order, config in cases:
                 args = _cast(_forward_args(x, routing, weights, activation), dtype)
-                what = f"forward {kind} T={num_tokens} {activation} {dtype} det={in_order}"
+                what = (f"forward {kind} T={num_tokens} {activation} {dtype} {config} "
+                        f"det={in_order}")
                 with deterministic() if in_order else contextlib.nullcontext():
-                    _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfg), args, what)
+                    _compare_forward(
+                        lambda *a: M.grouped_ffn(*a, config=cfgs[config]), args, what
+                    )
 
 
 def _backward_args(fwd_args, hidden, grad, mask):
@@ -249,7 +259,7 @@ def _check_backward_routings_and_masks() -> None:
     patch_interpreter_bf16_dot()
     from torch_moe._triton import grouped_ffn as M
 
-    cfg = _small_config()
+    cfgs = _configs()
     g = torch.Generator().manual_seed(3)
     masks = (
         [True, False, False, False, False],
@@ -260,28 +270,27 @@ def _check_backward_routings_and_masks() -> None:
     )
     for kind, num_tokens, k in ROUTINGS:
         routing = _routing(kind, num_tokens, k, E, g)
-        x = torch.randn(num_tokens, D, generator=g)
-        grad = torch.randn(num_tokens, D, generator=g)
+        x = torch.randn(num_tokens, D_ODD, generator=g)
+        grad = torch.randn(num_tokens, D_ODD, generator=g)
         for activation, layout in (("swiglu", "separate"), ("swiglu_oai", "fused"), ("gelu", "")):
-            args = _forward_args(x, routing, _weights(activation, layout, E, D, F, g), activation)
+            weights = _weights(activation, layout, E, D_ODD, F_ODD, g)
+            args = _forward_args(x, routing, weights, activation)
             hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
-            for in_order in (False, True):
+            for in_order, config in ((False, "small"), (True, "wide_k")):
                 with deterministic() if in_order else contextlib.nullcontext():
-                    what = f"backward {kind} T={num_tokens} {activation} det={in_order}"
+                    what = f"backward {kind} T={num_tokens} {activation} {config} det={in_order}"
                     _compare_backward(
-                        lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                        lambda *a: M.grouped_ffn_backward(*a, config=cfgs[config]),
                         _backward_args(args, hidden, grad, FULL_MASK), what,
                     )
         # output_mask subsets (separate w1 / w3: grad_w3 is its own output), bf16
-        args = _cast(
-            _forward_args(x, routing, _weights("swiglu", "separate", E, D, F, g), "swiglu"),
-            torch.bfloat16,
-        )
+        weights = _weights("swiglu", "separate", E, D_ODD, F_ODD, g)
+        args = _cast(_forward_args(x, routing, weights, "swiglu"), torch.bfloat16)
         hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
         for mask in masks:
             with deterministic():
                 _compare_backward(
-                    lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                    lambda *a: M.grouped_ffn_backward(*a, config=cfgs["small"]),
                     _backward_args(args, hidden, grad.bfloat16(), mask),
                     f"backward {kind} T={num_tokens} mask={mask}",
                 )

@@ -26,11 +26,11 @@ Backward (saved: x, hidden, the routing and the weights; the activation is recom
 * ``_ffn_down_backward_kernel``: ``dA_i = grad[token(i)] @ w2[e]^T`` per ``[BLOCK_M, BLOCK_N]``
   tile of F, with an epilogue that recomputes ``a_i`` from ``hidden`` and writes, as requested,
   the partial sums of ``<dA_i, a_i>`` over the tile's columns (``d out / d w_i``, summed over the
-  column tiles in a fixed order afterwards), ``w_i * a_i`` (the operand of ``grad_w2``) and
+  column tiles in a fixed order afterwards), ``a_i`` (an operand of ``grad_w2``) and
   ``dH_i = act'(hidden_i) applied to w_i * dA_i``.
-* ``grad_w2[e] = sum_i (w_i a_i)^T grad[token(i)]`` and ``grad_w1 / grad_w3[e] = sum_i
-  x[token(i)]^T dH_i``: the contraction-split kernel of grouped_mm over the slots of each group,
-  on gathered operand rows.
+* ``grad_w2[e] = sum_i a_i^T (w_i grad[token(i)])`` and ``grad_w1 / grad_w3[e] = sum_i
+  x[token(i)]^T dH_i``: the gathered contraction-split kernel of grouped_mm over the slots of
+  each group, which reads the token rows of grad and x through ``token(i)`` (no gathered copy).
 * ``grad_x[t] = sum_{i: token(i) = t} dH_i @ w13[e]^T``: the rows kernel, scattered as the forward
   combine is (deterministic mode: rows, then ``index_add_``).
 
@@ -53,15 +53,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
-from torch_moe._triton.grouped_mm import (
-    _acc_zeros,
-    _block,
-    _default_config,
-    _input_precision,
-    _launch_k,
-    _launch_rows,
-    GemmConfig,
-)
+from torch_moe._triton._configs import _block, device_arch, GemmConfig, pick_config
+from torch_moe._triton.grouped_mm import _acc_zeros, _input_precision, _launch_k_rows, _launch_rows
 
 __all__ = ["KERNELS", "grouped_ffn", "grouped_ffn_backward"]
 
@@ -274,7 +267,7 @@ def _ffn_down_backward_kernel(
     topk_ptr,
     hidden_ptr,
     dh_ptr,
-    aw_ptr,
+    act_ptr,
     part_ptr,
     alpha,
     limit,
@@ -295,14 +288,14 @@ def _ffn_down_backward_kernel(
     stride_hn,
     stride_dm,
     stride_dn,
-    stride_awm,
-    stride_awn,
+    stride_am,
+    stride_an,
     stride_pm,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     NEED_DA: tl.constexpr,
     WRITE_DH: tl.constexpr,
-    WRITE_AW: tl.constexpr,
+    WRITE_ACT: tl.constexpr,
     WRITE_PART: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -315,7 +308,7 @@ def _ffn_down_backward_kernel(
     F, and its epilogue (see the module docstring).
 
     Shapes: grad ``[T, K]`` (K = D); w2 ``[E, F, K]``; topk ``[T, k]``; hidden, dh ``[S, H]``;
-    aw ``[S, F]``; part ``[S, cdiv(F, BLOCK_N)]`` fp32 / fp64, column ``pid % col_tiles``.
+    act ``[S, F]``; part ``[S, cdiv(F, BLOCK_N)]`` fp32 / fp64, column ``pid % col_tiles``.
     The grid is that of ``_ffn_up_kernel``; every row of every output is written (zeros for
     padding and the tail).
     """
@@ -396,15 +389,14 @@ def _ffn_down_backward_kernel(
     else:
         u = g
     weight = weight.to(acc.dtype)
-    if WRITE_PART or WRITE_AW:
+    if WRITE_PART or WRITE_ACT:
         act = tl.where(h_ok, _act(g, u, alpha, limit, ACTIVATION), 0.0)
         if WRITE_PART:
             part = tl.sum(acc * act, 1)
             tl.store(part_ptr + rows * stride_pm + col_tile, part, mask=row_ok)
-        if WRITE_AW:
-            aw = act * weight[:, None]
-            aw_ptrs = aw_ptr + rows[:, None] * stride_awm + cols[None, :] * stride_awn
-            tl.store(aw_ptrs, aw.to(aw_ptr.dtype.element_ty), mask=out_ok)
+        if WRITE_ACT:
+            act_ptrs = act_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an
+            tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=out_ok)
     if WRITE_DH:
         dg, du = _act_backward(acc * weight[:, None], g, u, alpha, limit, ACTIVATION)
         dh_ptrs = dh_ptr + rows[:, None] * stride_dm + cols[None, :] * stride_dn
@@ -428,15 +420,6 @@ def _token_index(sorted_ids: Tensor, num_tokens: int, top_k: int) -> Tensor:
     nothing)."""
     valid = (sorted_ids >= 0) & (sorted_ids < num_tokens * top_k)
     return torch.where(valid, sorted_ids.div(max(top_k, 1), rounding_mode="floor"), -1)
-
-
-def _gather_rows(t: Tensor, token: Tensor) -> Tensor:
-    """``t[token(i)]`` per slot ``[S, N]``, zero rows where ``token`` is -1."""
-    if t.size(0) == 0:
-        # no tokens: every slot is padding
-        return t.new_zeros((token.size(0), t.size(1)))
-    rows = t.index_select(0, token.clamp(min=0))
-    return rows.masked_fill_((token < 0).unsqueeze(1), 0)
 
 
 def _slot_weights(topk_weights: Tensor, sorted_ids: Tensor, token: Tensor) -> Tensor:
@@ -478,9 +461,12 @@ def _rows_grid(S: int, E: int, F: int, cfg: GemmConfig):
     return ((triton.cdiv(S, cfg.block_m) + E) * triton.cdiv(F, cfg.block_n),)
 
 
-def _up_config(dtype: torch.dtype, F, D, gated: bool) -> GemmConfig:
-    cfg = _default_config(dtype, F, D)
-    if gated:
+def _ffn_config(x: Tensor, S, F, D, E, two_accumulators: bool) -> GemmConfig:
+    """The tiles of the FFN kernels: the table's rows-kernel pick for ``[S, F]`` outputs over a
+    contraction of D. Not autotuned: the backward's partial sums have one column per column
+    tile, and the forward is one launch per layer whose outputs are small next to its GEMMs."""
+    cfg = pick_config("rows", x.dtype, device_arch(x.device), S, F, D, E)
+    if two_accumulators:
         # two accumulators and two weight tiles: half the columns keep registers and shared
         # memory at the size of one plain GEMM tile
         cfg = cfg._replace(block_n=max(16, cfg.block_n // 2))
@@ -520,7 +506,7 @@ def grouped_ffn(
     hidden = x.new_empty((S, 2 * F if gated else F))
     act = x.new_empty((S, F))
     if S > 0 and F > 0:
-        cfg = config if config is not None else _up_config(x.dtype, F, D, gated)
+        cfg = config if config is not None else _ffn_config(x, S, F, D, E, gated)
         # a fused w13 holds the up projection in its columns F..2F
         w_up, up_col = (w3, 0) if w3 is not None else (w1, F)
         wrap_triton(_ffn_up_kernel)[_rows_grid(S, E, F, cfg)](
@@ -587,14 +573,14 @@ def grouped_ffn_backward(
     acc_dtype = _acc_dtype(x.dtype)
     token = _token_index(sorted_ids, T, k)
 
-    cfg = config if config is not None else _default_config(x.dtype, F, D)
+    cfg = config if config is not None else _ffn_config(x, S, F, D, E, False)
     col_tiles = triton.cdiv(F, cfg.block_n)
     dH = x.new_empty(hidden.shape) if want_dH else None
-    aw = x.new_empty((S, F)) if want_w2 else None
+    act = x.new_empty((S, F)) if want_w2 else None
     part = torch.empty((S, col_tiles), dtype=acc_dtype, device=x.device) if want_topk else None
     if S > 0 and F > 0 and (want_dA or want_w2):
         wrap_triton(_ffn_down_backward_kernel)[_rows_grid(S, E, F, cfg)](
-            grad, w2, offs, sorted_ids, topk_weights, hidden, dH, aw, part,
+            grad, w2, offs, sorted_ids, topk_weights, hidden, dH, act, part,
             float(alpha), float(limit),
             S, T, k, F, D, E,
             grad.stride(0), grad.stride(1),
@@ -602,13 +588,13 @@ def grouped_ffn_backward(
             topk_weights.stride(0), topk_weights.stride(1),
             hidden.stride(0), hidden.stride(1),
             dH.stride(0) if want_dH else 0, dH.stride(1) if want_dH else 0,
-            aw.stride(0) if want_w2 else 0, aw.stride(1) if want_w2 else 0,
+            act.stride(0) if want_w2 else 0, act.stride(1) if want_w2 else 0,
             part.stride(0) if want_topk else 0,
             GATED=gated,
             ACTIVATION=_ACTIVATION_CODES[activation],
             NEED_DA=want_dA,
             WRITE_DH=want_dH,
-            WRITE_AW=want_w2,
+            WRITE_ACT=want_w2,
             WRITE_PART=want_topk,
             INPUT_PRECISION=_input_precision(x.dtype),
             EVEN_K=bool(D % cfg.block_k == 0),
@@ -630,11 +616,14 @@ def grouped_ffn_backward(
         acc.index_add_(0, torch.where(token >= 0, sorted_ids, n), per_slot)
         grad_topk = acc.narrow(0, 0, n).view(T, k).to(topk_weights.dtype)
 
+    # The weight gradients: the contraction over each group's slots, with the token rows of
+    # grad and x gathered in the kernel (padding reads nothing)
     grad_w2 = w2.new_empty((0,))
     if want_w2:
         grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=w2.device)
         if grad_w2.numel():
-            _launch_k(aw.t(), _gather_rows(grad, token), offs, grad_w2, config)
+            weight = _slot_weights(topk_weights, sorted_ids, token)
+            _launch_k_rows(act, grad, offs, grad_w2, config, b_index=token, b_scale=weight)
 
     # dH splits into the gate half (w1) and the up half (w3) with a separate w3; a fused w13
     # takes all of it. (narrow, not indexing: Tensor.__getitem__ fails on fake CUDA tensors
@@ -644,16 +633,14 @@ def grouped_ffn_backward(
     else:
         dH_parts = [(dH, w1)]
     grad_w1, grad_w3 = w1.new_empty((0,)), w1.new_empty((0,))
-    if want_w1 or want_w3:
-        xs = _gather_rows(x, token)
-        if want_w1:
-            grad_w1 = torch.empty(w1.shape, dtype=w1.dtype, device=w1.device)
-            if grad_w1.numel():
-                _launch_k(xs.t(), dH_parts[0][0], offs, grad_w1, config)
-        if want_w3:
-            grad_w3 = torch.empty(w3.shape, dtype=w3.dtype, device=w3.device)
-            if grad_w3.numel():
-                _launch_k(xs.t(), dH_parts[1][0], offs, grad_w3, config)
+    if want_w1:
+        grad_w1 = torch.empty(w1.shape, dtype=w1.dtype, device=w1.device)
+        if grad_w1.numel():
+            _launch_k_rows(x, dH_parts[0][0], offs, grad_w1, config, a_index=token)
+    if want_w3:
+        grad_w3 = torch.empty(w3.shape, dtype=w3.dtype, device=w3.device)
+        if grad_w3.numel():
+            _launch_k_rows(x, dH_parts[1][0], offs, grad_w3, config, a_index=token)
 
     grad_x = x.new_empty((0,))
     if want_x:
