@@ -483,7 +483,7 @@ def section_tests(run: Run) -> dict:
     rc, out, secs = _pytest(["--collect-only", *common, *TEST_PATHS], min(120.0, run.left()))
     ids = select_device_tests(out.splitlines())
     result.update(collected_device_tests=len(ids), collect_s=round(secs, 1))
-    if "error" in out.lower() and rc != 0:
+    if rc not in (0, 5):  # 5: nothing collected
         result["collect_output_tail"] = out[-3000:]
     if not ids:
         result["note"] = "no device-test class (name ending in CUDA) collected"
@@ -676,7 +676,17 @@ def section_gemm(run: Run, models: Sequence[ModelShape], reps: int, warmup: int,
                     run.log(f"gemm {label}: error {_error_text(e)[:300]}")
                 torch.cuda.empty_cache()
     print(_fmt(rows, GEMM_COLUMNS), flush=True)
-    return {"rows": rows}
+    from torch_moe import _compat
+
+    # what the rows named torch._grouped_mm / torch._scaled_grouped_mm called (the same aten
+    # kernels either way)
+    aten_api = {
+        "grouped_mm": "torch.nn.functional.grouped_mm" if _compat._public_grouped_mm()
+        else "torch._grouped_mm",
+        "scaled_grouped_mm": "torch.nn.functional.scaled_grouped_mm"
+        if _compat._public_scaled_grouped_mm() else "torch._scaled_grouped_mm",
+    }
+    return {"rows": rows, "aten_api": aten_api}
 
 
 # --------------------------------------------------------------------------
@@ -785,6 +795,10 @@ def bench_layer_model(shape: ModelShape, reps: int, warmup: int, dev: torch.devi
             torch.cuda.synchronize()
             row["first_call_s"] = time.perf_counter() - t0
             row["activation_MiB"], row["peak_MiB"], outputs[name] = layer_memory(p, prep)
+            syncs = count_syncs(lambda: (step(), reset()), first_traceback=False)
+            row["host_syncs"] = syncs["syncs"]
+            if name in (LAYER_BF16, LAYER_FP8):
+                row["host_sync_sites"] = syncs["sites"]
             entries.append(Entry(name, step, reset))
         except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the rest
             row["error"] = _error_text(e)
@@ -807,7 +821,8 @@ def bench_layer_model(shape: ModelShape, reps: int, warmup: int, dev: torch.devi
 
 
 LAYER_COLUMNS = ["model", "impl", "median_ms", "tflops", "speedup_vs_titan", "activation_MiB",
-                 "activation_vs_titan", "peak_MiB", "rel_diff_vs_titan", "first_call_s", "error", "note"]
+                 "activation_vs_titan", "peak_MiB", "host_syncs", "rel_diff_vs_titan", "first_call_s",
+                 "error", "note"]
 
 
 def section_layer(run: Run, models: Sequence[ModelShape], reps: int, warmup: int,
@@ -852,10 +867,10 @@ def make_layer(shape: ModelShape, device, **config):
     return _cast_parameters(MoE(cfg).to(device), torch.bfloat16)
 
 
-def count_syncs(step: Callable[[], None]) -> dict:
+def count_syncs(step: Callable[[], None], first_traceback: bool = True) -> dict:
     """Host synchronisations of one call of ``step``: the warnings that
-    ``set_sync_debug_mode("warn")`` raises, by source line; where there are any, the traceback
-    of the first one (from the "error" mode)."""
+    ``set_sync_debug_mode("warn")`` raises, by source line; where there are any and
+    ``first_traceback``, the traceback of the first one (from the "error" mode, one more call)."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -872,7 +887,7 @@ def count_syncs(step: Callable[[], None]) -> dict:
         site = f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(str(ROOT)) else w.filename}:{w.lineno}"
         sites[site] = sites.get(site, 0) + 1
     result = {"syncs": len(syncs), "sites": sites}
-    if syncs:
+    if syncs and first_traceback:
         torch.cuda.set_sync_debug_mode("error")
         try:
             step()
@@ -905,7 +920,7 @@ def graph_forward(layer, x_TD: Tensor, x2_TD: Tensor) -> dict:
     with torch.no_grad():
         with torch.cuda.graph(graph):
             static_y = layer(static_x)
-        result = {"captured": True}
+        result = {"ok": True}
         graph.replay()
         result["replay_rel_diff"] = rel_diff(static_y, layer(static_x))
         static_x.copy_(x2_TD)
@@ -925,7 +940,7 @@ def graph_fwd_bwd(layer, x_TD: Tensor, grad_TD: Tensor) -> dict:
     graphed(x).backward(grad_TD)
     torch.cuda.synchronize()
     layer.zero_grad(set_to_none=True)
-    return {"captured": True}
+    return {"ok": True}
 
 
 def compiled_fwd_bwd(layer, x_TD: Tensor, grad_TD: Tensor) -> dict:
@@ -937,7 +952,7 @@ def compiled_fwd_bwd(layer, x_TD: Tensor, grad_TD: Tensor) -> dict:
     y = compiled(x)
     y.backward(grad_TD)
     torch.cuda.synchronize()
-    result = {"compiled": True, "compile_s": time.perf_counter() - t0}
+    result = {"ok": True, "compile_s": time.perf_counter() - t0}
     with torch.no_grad():
         result["rel_diff_vs_eager"] = rel_diff(compiled(x), layer(x))
     layer.zero_grad(set_to_none=True)
@@ -984,10 +999,15 @@ def section_sync(run: Run, shape: ModelShape, dev: torch.device) -> dict:
         if reason is not None:
             result[name] = {"status": reason}
             continue
+        # what is known so far reaches the JSON even if this check hangs until the run is killed
+        run.record["sections"]["sync"] = {"status": f"running {name}", **result}
+        run.write()
         try:
             result[name] = check(make_layer(shape, dev))
         except Exception as e:  # noqa: BLE001 - the error is the finding
-            result[name] = {"captured": False, "error": run.note_error(e),
+            # A failed capture raises CUDA errors that do not make the context unusable, so
+            # they are not taken as its loss (the next check would show it).
+            result[name] = {"ok": False, "error": _error_text(e),
                             "traceback": traceback.format_exc()[-3000:]}
         run.log(f"sync {name}: {'ok' if 'error' not in result[name] else result[name]['error'][:200]}")
         torch.cuda.empty_cache()
