@@ -23,11 +23,19 @@ Shapes are tiny: the interpreter runs every program in Python.
 """
 
 import contextlib
+import itertools
 
 import torch
+import torch_moe  # noqa: F401  (registers the ops)
+from torch.testing._internal.common_device_type import (
+    dtypes,
+    instantiate_device_type_tests,
+    onlyCUDA,
+)
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from _interpreter import (
+    HAS_TRITON,
     assert_matches,
     deterministic,
     patch_interpreter_bf16_dot,
@@ -176,6 +184,135 @@ def _check_indexed_padding_reads_no_row() -> None:
             assert_matches(out, ref, what)
 
 
+def _check_k_rows() -> None:
+    """The gathered contraction-split kernel (weight gradients) against a loop over slots:
+    indices on either side with -1 (whose rows, NaN and Inf, must not be read), an empty group,
+    slots past offs[-1], scales; bf16 with power-of-two scales, which the kernel's rounding of
+    b * scale to bf16 keeps exact."""
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_mm as T
+
+    cfg = _configs()
+    g = torch.Generator().manual_seed(0)
+    S, Ra, Rb, M, Nk = 20, 9, 7, 24, 40
+    offs = torch.tensor((5, 5, 17), dtype=torch.int32)
+    a_index = torch.randint(1, Ra, (S,), generator=g)
+    a_index[[1, 8]] = -1
+    b_index = torch.randint(1, Rb, (S,), generator=g)
+    b_index[[2, 9]] = -1
+    # row 0 of each operand is read by padded slots only (their other index is -1)
+    a_index[2], b_index[1] = 0, 0
+    for dtype in (torch.float32, torch.bfloat16):
+        scale = torch.rand(S, generator=g) if dtype == torch.float32 else (
+            2.0 ** torch.randint(-2, 2, (S,), generator=g))
+        a = torch.randn(Ra, M, generator=g).to(dtype)
+        b = torch.randn(Rb, Nk, generator=g).to(dtype)
+        a[0], b[0] = float("nan"), float("inf")
+        for ai, bi, sc, config in [
+            (a_index, b_index, scale, "small"),
+            (a_index, b_index, None, "default"),
+            (a_index, None, scale, "wide_k"),
+            (None, b_index, scale, "small"),
+        ]:
+            # the NaN / Inf rows only where both sides are gathered (a row 0 read by slot 2,
+            # whose b_index is -1, and the other way round for slot 1)
+            both = ai is not None and bi is not None
+            a_rows = (a if both else a.nan_to_num(0.0)) if ai is not None else (
+                torch.randn(S, M, generator=g).to(dtype))
+            b_rows = (b if both else b.nan_to_num(0.0, 0.0)) if bi is not None else (
+                torch.randn(Nk, S, generator=g).to(dtype).t())  # strided
+            with deterministic():  # the output starts as NaN: every tile must be written
+                out = torch.empty(3, M, Nk, dtype=dtype)
+                T._launch_k_rows(a_rows, b_rows, offs, out, cfg[config], a_index=ai,
+                                 b_index=bi, b_scale=sc)
+            ref = torch.zeros(3, M, Nk)
+            start = 0
+            for group, end in enumerate(offs.tolist()):
+                for i in range(start, end):
+                    ra = int(ai[i]) if ai is not None else i
+                    rb = int(bi[i]) if bi is not None else i
+                    if ra >= 0 and rb >= 0:
+                        s = float(sc[i]) if sc is not None else 1.0
+                        ref[group] += torch.outer(a_rows[ra].float(), b_rows[rb].float() * s)
+                start = end
+            what = (f"_launch_k_rows {dtype} a_index={ai is not None} b_index={bi is not None} "
+                    f"scale={sc is not None} {config=}")
+            assert_matches(out, ref, what)
+
+
+_MASKS = ([True, True, True], [True, False, False], [False, True, False], [False, False, True],
+          [False, False, False])
+
+
+def _check_indexed_grouped_mm_backward() -> None:
+    """``indexed_grouped_mm_backward`` against the CPU op: every gather / scatter / scale
+    combination (fp32, atomic and deterministic paths), every output mask, bf16 and fp16, the
+    default configs; padded slots next to NaN / Inf rows and weights; T = 0."""
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_mm as T
+
+    cfg = _configs()
+    g = torch.Generator().manual_seed(0)
+    Kb, Nb = 24, 20
+    offs = torch.tensor((6, 6, 13), dtype=torch.int32)  # an empty group and 3 tail slots
+    S, R, T_out = 16, 10, 9
+    gather = torch.randint(1, R, (S,), generator=g)
+    gather[[2, 7]] = -1
+    scatter = torch.randint(1, T_out, (S,), generator=g)
+    scatter[[0, 9]] = -1
+    # row 0 of input and of grad is read by padded slots only; the padded slots' scales are NaN
+    gather[0], scatter[2] = 0, 0
+    sw = torch.rand(S, generator=g)
+    sw[[0, 2, 7, 9]] = float("nan")
+
+    def run(args, config, in_order, what):
+        with deterministic() if in_order else contextlib.nullcontext():
+            out = T.indexed_grouped_mm_backward(*args, config=cfg[config])
+        ref = torch.ops.torch_moe.indexed_grouped_mm_backward(*_upcast(args, torch.float32))
+        for o, r, name in zip(out, ref, ("grad_input", "grad_weight", "grad_scatter_weight")):
+            w = f"{what} {name} {config=} deterministic={in_order}"
+            assert o.shape == r.shape and o.dtype == args[1 if name != "grad_scatter_weight"
+                                                          else 6 if args[6] is not None
+                                                          else 1].dtype, (w, o.shape, r.shape)
+            if o.dtype != r.dtype:  # bf16 / fp16 against the fp32 CPU op
+                assert_matches(o, r, w)
+            else:
+                assert torch.isfinite(r).all(), (w, r)
+                assert_matches(o, r, w)
+
+    def inputs(dtype, gi, si):
+        x = torch.randn(R if gi is not None else S, Kb, generator=g).to(dtype)
+        grad = torch.randn(T_out if si is not None else S, Nb, generator=g).to(dtype)
+        if gi is not None and si is not None:  # else these rows are read by real slots
+            x[0] = float("nan")
+            grad[0] = float("inf")
+        return x, grad
+
+    w = torch.randn(E, Kb, Nb, generator=g)
+    for gi, si, swi in itertools.product((None, gather), (None, scatter), (None, sw)):
+        if swi is not None and (gi is None or si is None):
+            swi = sw.nan_to_num(0.5)  # some padded slots are real here
+        x, grad = inputs(torch.float32, gi, si)
+        what = f"fp32 gather={gi is not None} scatter={si is not None} weight={swi is not None}"
+        for in_order in (False, True):
+            run((grad, x, w, offs, gi, si, swi, [True, True, True]), "small", in_order, what)
+    x, grad = inputs(torch.float32, gather, scatter)
+    for mask in _MASKS:
+        run((grad, x, w, offs, gather, scatter, sw, mask), "default", False, f"fp32 {mask=}")
+    # bf16 / fp16: scales that are powers of two (exact in the weight gradient's b * scale)
+    sw_pow2 = torch.where(sw.isnan(), sw, 2.0 ** torch.randint(-2, 2, (S,), generator=g))
+    for dtype in (torch.bfloat16, torch.float16):
+        x, grad = inputs(dtype, gather, scatter)
+        args = (grad, x, w.to(dtype), offs, gather, scatter, sw_pow2, [True, True, True])
+        run(args, "wide_k", False, f"{dtype}")
+        run(args, "default", True, f"{dtype}")
+    # T = 0: no tokens and no output rows, every slot padded on both sides
+    none = torch.full((S,), -1)
+    args = (torch.randn(0, Nb), torch.randn(0, Kb), w, offs, none, none, sw, [True, True, True])
+    for in_order in (False, True):
+        run(args, "default", in_order, "T = 0")
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs in the subprocess (no interpreter)
 # ---------------------------------------------------------------------------------------------
@@ -215,6 +352,22 @@ def _check_graph_capture() -> None:
         def forward(self, a, b, offs):
             return (self.op(a, b, offs),)
 
+    class Backward(torch.nn.Module):
+        def __init__(self, op):
+            super().__init__()
+            self.op = op
+
+        def forward(self, grad, x, w, offs, gather, scatter, scale):
+            return self.op(grad, x, w, offs, gather, scatter, scale, [True, True, True])
+
+    def backward_inputs(device):
+        with FakeTensorMode():
+            def t(*shape, dtype=torch.bfloat16):
+                return torch.empty(shape, dtype=dtype, device=device)
+
+            return (t(21, N), t(40, K), t(E, K, N), t(E, dtype=torch.int32),
+                    t(44, dtype=torch.int64), t(44, dtype=torch.int64), t(44, dtype=torch.float32))
+
     def inputs(device):
         with FakeTensorMode():
             def t(*shape, dtype=torch.bfloat16):
@@ -253,6 +406,14 @@ def _check_graph_capture() -> None:
         assert triton_kernel_wrapper_functional in targets, (name, targets)
         assert not any(str(t).startswith("torch_moe.") for t in targets), (name, targets)
 
+    # the backward: the rows kernel (input and routing-weight gradients) and the
+    # contraction-split kernel (weight gradient)
+    gm = capture(Backward(torch.ops.torch_moe._triton_indexed_grouped_mm_backward.default),
+                 backward_inputs("cpu"))
+    targets = _graph_targets(gm)
+    assert targets.count(triton_kernel_wrapper_functional) == 2, targets
+    assert not any(str(t).startswith("torch_moe.") for t in targets), targets
+
     # 2. With a GPU target for the Triton frontend, the analysis must find that the kernels
     # write their output only (anything else would make Inductor clone inputs).
     from triton.backends.compiler import GPUTarget
@@ -284,6 +445,11 @@ def _check_graph_capture() -> None:
         assert module.op in _graph_targets(capture(module, cpu[name])), name
         exported = torch.export.export(module, cuda[name])
         assert module.op in _graph_targets(exported.graph_module), name
+    targets = _graph_targets(capture(
+        Backward(torch.ops.torch_moe.indexed_grouped_mm_backward.default),
+        backward_inputs("cuda")))
+    assert targets.count(triton_kernel_wrapper_functional) == 2, targets
+    assert not any(str(t).startswith("torch_moe.") for t in targets), targets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,8 +471,125 @@ class TestTritonGroupedMM(TestCase):
     def test_indexed_padding_reads_no_row_interpreted(self):
         self._run("_check_indexed_padding_reads_no_row", interpret=True)
 
+    def test_k_rows_interpreted(self):
+        self._run("_check_k_rows", interpret=True)
+
+    def test_indexed_grouped_mm_backward_interpreted(self):
+        self._run("_check_indexed_grouped_mm_backward", interpret=True)
+
     def test_graph_capture(self):
         self._run("_check_graph_capture", interpret=False)
+
+
+class TestGemmConfigs(TestCase):
+    """The tile table and its autotuning candidates (plain Python: no GPU, no interpreter)."""
+
+    def setUp(self):
+        if not HAS_TRITON:
+            self.skipTest("triton is not installed")
+        from torch_moe._triton import _configs
+
+        self.C = _configs
+
+    def test_hopper_picks(self):
+        C, bf16 = self.C, torch.bfloat16
+        # Qwen3-30B-A3B up projection: 128 experts, ~256 rows each
+        self.assertEqual(C.pick_config("rows", bf16, (9, 0), 32768, 1536, 2048, 128),
+                         C.GemmConfig(128, 128, 64, 8, 4))
+        # DeepSeek-V3 slice with few rows per expert: short row tiles
+        self.assertEqual(C.pick_config("rows", bf16, (9, 0), 4096, 4096, 7168, 256).block_m, 32)
+        self.assertEqual(C.pick_config("rows", bf16, (9, 0), 16384, 4096, 7168, 256).block_m, 64)
+        # weight gradient of Mixtral's down projection: 128 x 128 x 64 tiles of the weight
+        self.assertEqual(C.pick_config("k", bf16, (9, 0), 14336, 4096, 65536, 8),
+                         C.GemmConfig(128, 128, 64, 8, 4))
+        # fp32 halves the tiles' width
+        self.assertLessEqual(C.pick_config("rows", torch.float32, (9, 0), 4096, 512, 512, 8)
+                             .block_k, 32)
+
+    def test_generic_and_narrow(self):
+        C = self.C
+        for arch in (None, (8, 0), (8, 9), (12, 0)):
+            cfg = C.pick_config("rows", torch.bfloat16, arch, 4096, 48, 32, 8)
+            # narrowed to N = 48 and K = 32
+            self.assertEqual((cfg.block_n, cfg.block_k), (64, 32), arch)
+            self.assertEqual(C.pick_config("rows", torch.bfloat16, arch, 4096, 4096, 4096, 8),
+                             C.GemmConfig(64, 128, 64, 4, 3))
+
+    def test_candidates(self):
+        C = self.C
+        for arch in ((9, 0), (8, 0), (8, 9)):
+            for dtype in (torch.bfloat16, torch.float32):
+                pick = C.pick_config("rows", dtype, arch, 32768, 4096, 7168, 128)
+                cands = C.autotune_candidates(pick, dtype, arch, None, 4096)
+                self.assertEqual(cands[0], pick)
+                self.assertGreater(len(cands), 2)
+                self.assertEqual(len(set(cands)), len(cands))
+                for c in cands:
+                    self.assertEqual(c.block_k, pick.block_k)
+                    self.assertLessEqual(
+                        c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n)
+                        * dtype.itemsize, C.shared_memory_bytes(arch), (arch, c))
+        # without a GPU (the interpreter): the pick alone
+        pick = C.pick_config("k", torch.bfloat16, None, 64, 64, 640, 4)
+        self.assertEqual(C.autotune_candidates(pick, torch.bfloat16, None, 64, 64), [pick])
+
+
+# Realistic slices of MoE layers: (name, D, F, E, T, top_k)
+_MODELS = [
+    ("deepseek_v3", 7168, 2048, 16, 256, 8),  # 16 of the 256 experts
+    ("qwen3_30b_a3b", 2048, 768, 128, 512, 8),
+    ("mixtral", 4096, 14336, 8, 256, 2),
+]
+
+
+class TestTritonGroupedMMCUDA(TestCase):
+    """The kernels on a GPU at realistic shapes, against the CPU ops in fp32."""
+
+    def _routing(self, T, k, E, device):
+        g = torch.Generator().manual_seed(0)
+        experts = torch.randint(0, E, (T * k,), generator=g)
+        experts[: T * k // 4] = 0  # a hot expert; some experts may be empty
+        order = torch.sort(experts, stable=True).indices
+        counts = torch.bincount(experts, minlength=E)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gather = order // k  # token of each sorted slot
+        return offs.to(device), gather.to(device), order.to(device), g
+
+    @onlyCUDA
+    @dtypes(torch.bfloat16)
+    def test_indexed_grouped_mm_models(self, device, dtype):
+        from torch_moe._triton import grouped_mm as G
+
+        for name, D, F, E, T, k in _MODELS:
+            offs, gather, order, g = self._routing(T, k, E, device)
+            x = torch.randn(T, D, device=device, dtype=dtype)
+            w = torch.randn(E, D, F, device=device, dtype=dtype) / D ** 0.5
+            sw = torch.rand(T * k, device=device)
+            scatter = gather.clone()
+            for det in (False, True):
+                torch.use_deterministic_algorithms(det)
+                try:
+                    out = G.indexed_grouped_mm(x, w, offs, gather, scatter, sw, T)
+                    grad = torch.randn_like(out)
+                    grads = G.indexed_grouped_mm_backward(
+                        grad, x, w, offs, gather, scatter, sw, [True, True, True])
+                finally:
+                    torch.use_deterministic_algorithms(False)
+                cpu = [t.cpu().float() if t.is_floating_point() else t.cpu()
+                       for t in (x, w, offs, gather, scatter, sw, grad)]
+                ref = torch.ops.torch_moe.indexed_grouped_mm(*cpu[:6], T)
+                refs = torch.ops.torch_moe.indexed_grouped_mm_backward(
+                    cpu[6], *cpu[:6], [True, True, True])
+                for a, r, what in zip((out, *grads), (ref, *refs),
+                                      ("out", "grad_input", "grad_weight", "grad_sw")):
+                    # bf16 outputs (one rounding) and bf16 products of grad * scale in
+                    # grad_weight: errors relative to the output's scale
+                    torch.testing.assert_close(
+                        a.float().cpu(), r.float(), rtol=2e-2, atol=1e-2 * r.abs().max().item(),
+                        msg=f"{name} {what} deterministic={det}")
+
+
+instantiate_device_type_tests(TestTritonGroupedMMCUDA, globals(), only_for="cuda")
 
 
 if __name__ == "__main__":
