@@ -350,6 +350,110 @@ def _check_fake_cuda() -> None:
                 cuda_kernel("grouped_ffn_backward")(*bwd)
 
 
+def _check_graph_capture() -> None:
+    """The triton_ops, and the public ops on CUDA tensors, decompose into functional Triton kernel
+    wrappers under AOT capture (what Inductor compiles as user-defined kernels), and the mutation
+    analysis finds that the FFN kernels write their outputs only."""
+    import triton
+    from torch._functorch.aot_autograd import aot_export_module
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.backends.compiler import GPUTarget
+
+    from torch_moe._triton import grouped_ffn as M
+
+    def launched(*args, **kwargs):
+        raise AssertionError("graph capture launched a Triton kernel")
+
+    for kernel in (M._ffn_up_kernel, M._ffn_down_backward_kernel):
+        kernel.run = launched
+
+    class Forward(torch.nn.Module):
+        def __init__(self, op):
+            super().__init__()
+            self.op = op
+
+        def forward(self, x, sorted_ids, offs, topk, w1, w2, w3):
+            return tuple(self.op(x, sorted_ids, offs, topk, w1, w2, w3, "swiglu", ALPHA, LIMIT))
+
+    class Backward(torch.nn.Module):
+        def __init__(self, op):
+            super().__init__()
+            self.op = op
+
+        def forward(self, grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden):
+            return tuple(self.op(grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden, "swiglu",
+                                 ALPHA, LIMIT, FULL_MASK))
+
+    def inputs(device):
+        S = 40
+        with FakeTensorMode():
+            def t(*shape, dtype=torch.bfloat16):
+                return torch.empty(shape, dtype=dtype, device=device)
+
+            routing = (t(S, dtype=torch.int64), t(E, dtype=torch.int32), t(T, K_TOP))
+            weights = (t(E, D, F), t(E, F, D), t(E, D, F))
+            return {
+                "forward": (t(T, D), *routing, *weights),
+                "backward": (t(T, D), t(T, D), *routing, *weights, t(S, 2 * F)),
+            }
+
+    def capture(module, args):
+        return aot_export_module(module, args, trace_joint=False)[0]
+
+    def targets(gm):
+        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+    triton_ops = {
+        "forward": Forward(torch.ops.torch_moe._triton_grouped_ffn.default),
+        "backward": Backward(torch.ops.torch_moe._triton_grouped_ffn_backward.default),
+    }
+    public_ops = {
+        "forward": Forward(torch.ops.torch_moe.grouped_ffn.default),
+        "backward": Backward(torch.ops.torch_moe.grouped_ffn_backward.default),
+    }
+    cpu, cuda = inputs("cpu"), inputs("cuda")
+    for name, module in triton_ops.items():
+        found = targets(capture(module, cpu[name]))
+        assert triton_kernel_wrapper_functional in found, (name, found)
+        assert not any(str(f).startswith("torch_moe.") for f in found), (name, found)
+
+    # with a GPU target for the Triton frontend, the mutation analysis runs for real
+    class _Sm90Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cuda", 0)
+
+        def is_active(self):
+            return True
+
+    triton.runtime.driver.set_active(_Sm90Driver())
+    # what each kernel writes: the up kernel, the backward's dA kernel (every output requested),
+    # grouped_mm's kernels
+    written = {
+        "forward": [{"hidden_ptr", "act_ptr"}, {"out_ptr"}],
+        "backward": [{"dh_ptr", "act_ptr", "part_ptr"}, {"out_ptr"}],
+    }
+    for name, module in triton_ops.items():
+        gm = capture(module, cpu[name])
+        clones = [
+            set(n.kwargs["tensors_to_clone"])
+            for n in gm.graph.nodes
+            if n.target is triton_kernel_wrapper_functional
+        ]
+        assert written[name][0] in clones, (name, clones)
+        assert all(c in written[name] for c in clones), (name, clones)
+
+    # the public ops on CUDA tensors decompose into the Triton kernels; on CPU they stay
+    for name, module in public_ops.items():
+        found = targets(capture(module, cuda[name]))
+        assert triton_kernel_wrapper_functional in found, (name, found)
+        assert not any(str(f).startswith("torch_moe.") for f in found), (name, found)
+        assert module.op in targets(capture(module, cpu[name])), name
+
+
 # ---------------------------------------------------------------------------------------------
 # The tests (parent process)
 # ---------------------------------------------------------------------------------------------
@@ -374,6 +478,9 @@ class TestTritonGroupedFFN(TestCase):
 
     def test_fake_cuda(self):
         self._run("_check_fake_cuda", interpret=False)
+
+    def test_graph_capture(self):
+        self._run("_check_graph_capture", interpret=False)
 
 
 class TestTritonGroupedFFNDevice(TestCase):
