@@ -22,6 +22,8 @@ from torch.testing._internal.common_utils import TestCase, parametrize, run_test
 
 from _interpreter import deterministic, requires_triton, run_check
 
+import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
+
 
 def _assert_same(actual, expected, what: str) -> None:
     names = ("sorted_ids", "offs", "tokens_per_expert")
@@ -209,6 +211,7 @@ class TestTritonTokenSort(TestCase):
         self._run("_check_fake_cuda", interpret=False)
 
 
+@requires_triton
 class TestTritonTokenSortDevice(TestCase):
     """On a GPU: the public op (its CUDA kernel is the Triton one) against the CPU op."""
 
@@ -267,6 +270,18 @@ class TestTritonTokenSortDevice(TestCase):
         graph.replay()
         torch.cuda.synchronize()
         _assert_same(out, torch.ops.torch_moe.token_sort(ids.cpu(), 256, 16), "graph replay")
+
+    @onlyCUDA
+    def test_compile_fullgraph(self, device):
+        # Inductor compiles the kernels as user-defined Triton kernels in its generated code
+        torch._dynamo.reset()
+        ids = self._routing(4096, 8, 128, torch.int32, skew=True)
+
+        def sort(ids):
+            return torch.ops.torch_moe.token_sort(ids, 128, 32)
+
+        actual = torch.compile(sort, fullgraph=True)(ids.to(device))
+        _assert_same(actual, sort(ids), "compiled")
 
 
 instantiate_device_type_tests(TestTritonTokenSortDevice, globals(), only_for="cuda")
