@@ -184,6 +184,12 @@ def _grouped_mm_rows_kernel(
     else:
         src = rows
         src_ok = row_ok
+    if HAS_SCATTER:
+        dst = tl.load(scatter_ptr + rows, mask=row_ok, other=-1)
+        tl.device_assert((dst >= -1) & (dst < num_out_rows), "scatter_index out of range")
+        dst_ok = row_ok & (dst >= 0) & (dst < num_out_rows)
+        # a dropped slot reads no input row either
+        src_ok = src_ok & dst_ok
 
     # The tail segment and programs past the last tile skip the main loop: zero tile.
     is_group = seg < num_groups
@@ -234,9 +240,6 @@ def _grouped_mm_rows_kernel(
         acc = tl.where(src_ok[:, None], acc, 0.0)
     if HAS_OUT:
         if HAS_SCATTER:
-            dst = tl.load(scatter_ptr + rows, mask=row_ok, other=-1)
-            tl.device_assert((dst >= -1) & (dst < num_out_rows), "scatter_index out of range")
-            dst_ok = row_ok & (dst >= 0) & (dst < num_out_rows)
             out_ptrs = out_ptr + dst[:, None] * stride_om + cols[None, :] * stride_on
             # relaxed: the adds only need to be atomic, not ordered with other memory operations
             tl.atomic_add(out_ptrs, acc, mask=dst_ok[:, None] & col_ok[None, :], sem="relaxed")
