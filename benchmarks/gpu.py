@@ -731,21 +731,8 @@ def layer_impls(p) -> list[tuple[str, Callable]]:
                 lambda: (w1.grad, w2.grad, w3.grad))
         return prepare
 
-    def titan_style(p):
-        prep = ops.prepare_titan_style(p)
-        forward = prep.forward
-
-        def on_device(x, ids, tw):
-            # ops.titan_style_forward builds its routing map with torch.zeros(T, E) and no
-            # device; the device context puts it beside the tokens.
-            with torch.device(x.device):
-                return forward(x, ids, tw)
-
-        prep.forward = on_device
-        return prep
-
     return [(LAYER_BF16, torch_moe("bf16")), (LAYER_FP8, torch_moe("fp8_rowwise")),
-            (LAYER_TITAN, titan_style), (LAYER_LOOP, ops.prepare_hf_loop)]
+            (LAYER_TITAN, ops.prepare_titan_style), (LAYER_LOOP, ops.prepare_hf_loop)]
 
 
 def _tensor_bytes(t: Tensor) -> int:

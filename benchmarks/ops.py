@@ -238,7 +238,8 @@ def titan_style_forward(
     T, K = topk_ids_TK.shape
     E, D = w1_EFD.size(0), x_TD.size(1)
     # MoE.forward: tokens per expert from a one-hot routing map.
-    routing_map_TE = torch.zeros(T, E, dtype=torch.bool).scatter_(-1, topk_ids_TK, True)
+    routing_map_TE = torch.zeros(T, E, dtype=torch.bool, device=topk_ids_TK.device).scatter_(
+        -1, topk_ids_TK, True)
     tokens_per_expert_E = routing_map_TE.sum(dim=0)
     # LocalTokenDispatcher._local_reorder
     sorted_N = torch.argsort(topk_ids_TK.view(-1), stable=True)
