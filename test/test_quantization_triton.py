@@ -70,12 +70,12 @@ def _compare_mxfp8(x, dim, elem_dtype, scale_mode, what) -> None:
     _assert_bits_equal(data, ref_data, f"mxfp8 data {what}", nan_sign=False)
 
 
-def _compare_rowwise(x, dim, what) -> None:
+def _compare_rowwise(x, dim, what, offs=None) -> None:
     from torch_moe.quantization import _triton
 
-    data, scale = _triton.fp8_rowwise_quantize(x, dim)
-    ref_data, ref_scale = torch.ops.torch_moe.quantize_fp8_rowwise(x, dim)
-    what = f"{what} {x.dtype} {tuple(x.shape)} dim={dim}"
+    data, scale = _triton.fp8_rowwise_quantize(x, dim, offs)
+    ref_data, ref_scale = torch.ops.torch_moe.quantize_fp8_rowwise(x, dim, offs)
+    what = f"{what} {x.dtype} {tuple(x.shape)} dim={dim} offs={offs}"
     _assert_bits_equal(scale, ref_scale, f"fp8 rowwise scale {what}")
     _assert_bits_equal(data, ref_data, f"fp8 rowwise data {what}", nan_sign=False)
 
@@ -161,6 +161,9 @@ def _check_mxfp8_random() -> None:
                 _compare_mxfp8(cols, 0, elem_dtype, mode, "random columns")
                 _compare_mxfp8(cube, 1, elem_dtype, mode, "random 3-D")
                 _compare_mxfp8(cube.transpose(1, 2).contiguous(), 2, elem_dtype, mode, "random 3-D")
+                # transposed views: the kernel writes the transposed copy
+                _compare_mxfp8(cols.t(), 1, elem_dtype, mode, "random transposed")
+                _compare_mxfp8(cube.transpose(1, 2), 2, elem_dtype, mode, "random 3-D transposed")
 
 
 def _check_mxfp8_boundary() -> None:
@@ -194,45 +197,84 @@ def _check_fp8_rowwise() -> None:
     _compare_rowwise(_midpoint_matrix(E4M3), -1, "midpoints")
     # rows longer than one tile step: the amax pass and the quantize pass loop
     _compare_rowwise(_random_matrix((3, 2100), torch.bfloat16, 6), -1, "long rows")
+    # transposed views (the kernel writes the transposed copy)
+    _compare_rowwise(_random_matrix((48, 8), torch.float32, 9).t(), 1, "transposed")
+    _compare_rowwise(_random_matrix((2, 40, 3), torch.float16, 10).transpose(1, 2), 2, "3-D transposed")
+
+
+def _check_fp8_rowwise_grouped() -> None:
+    """One scale per group of ``dim`` (the weight-gradient operands): empty groups, one group
+    holding everything, all groups empty, a tail past offs[-1] (zeros), T = 0, transposed views,
+    the boundary values (Inf / NaN rows) inside groups."""
+    cases = [(16, 16, 40, 41), (0, 48, 48, 48), (0, 0, 0, 0), (48,)]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = _random_matrix((48, 8), dtype, 11)
+        for ends in cases:
+            offs = torch.tensor(ends, dtype=torch.int32)
+            _compare_rowwise(x, 0, "grouped columns", offs)
+            _compare_rowwise(x.t(), 1, "grouped, transposed view", offs)
+        _compare_rowwise(x[:0], 0, "grouped, T = 0", torch.zeros(4, dtype=torch.int32))
+        _compare_rowwise(_random_matrix((2, 40, 3), dtype, 12), 1, "grouped 3-D",
+                         torch.tensor([8, 8, 32], dtype=torch.int32))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _boundary_matrix(dtype)  # [n, 64]
+        offs = torch.tensor([16, 16, 40, 41], dtype=torch.int32)
+        _compare_rowwise(x.t(), 0, "grouped boundary columns", offs)
+        _compare_rowwise(x, 1, "grouped boundary rows", offs)
+    # long groups: the amax pass and the quantize pass loop
+    x = _random_matrix((3, 2100), torch.bfloat16, 13)
+    _compare_rowwise(x, 1, "long groups", torch.tensor([1000, 2048], dtype=torch.int32))
 
 
 def _check_cuda_registration() -> None:
-    """The CUDA kernels route what the Triton kernels take to them and the rest to the
-    reference kernels (called here on CPU tensors, the routing being device independent)."""
+    """The Triton quantizers are the CUDA kernels of the ops, registered lazily (the registered
+    wrapper imports the kernel module on its first call); the kernels take every input whose
+    dims other than the quantized one collapse into two strided runs (transposed views
+    included) and route the rest, and empty inputs, to the reference kernels (called here on
+    CPU tensors, the routing being device independent)."""
     from unittest import mock
 
-    from torch_moe.quantization import _quantize, _triton
+    from torch_moe.quantization import _kernels, _quantize, _triton
 
-    _triton.register_cuda_kernels()
-    _triton.register_cuda_kernels()  # a second call is a no-op
+    _kernels.register_cuda_kernels()
+    _kernels.register_cuda_kernels()  # a second call is a no-op
     for op in ("quantize_mxfp8", "quantize_fp8_rowwise"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_moe::{op}", "CUDA"), op
+        assert _kernels.triton_kernel(op) is _triton.KERNELS[op]
 
     x = _random_matrix((64, 64), torch.bfloat16, 7)
+    # dims 0 and 1 of this view are not nested: three runs besides the last dim
+    x4 = _random_matrix((4, 4, 4, 64), torch.float32, 8).permute(1, 0, 2, 3)
     offs = torch.tensor([16, 48], dtype=torch.int32)
-    mx, rw = _triton._quantize_mxfp8_cuda, _triton._quantize_fp8_rowwise_cuda
-    cases = [  # (CUDA kernel, arguments, runs Triton)
+    mx, rw = _triton.mxfp8_quantize, _triton.fp8_rowwise_quantize
+    cases = [  # (CUDA kernel, arguments, launches a Triton kernel)
         (mx, (x, 0, E5M2, "floor"), True),
-        (mx, (x.t(), 1, E4M3, "rceil"), False),  # not contiguous
+        (mx, (x.t(), 1, E4M3, "rceil"), True),  # transposed view: quantize + transpose
+        (mx, (x4, 3, E4M3, "rceil"), False),
+        (mx, (x[:0], 1, E4M3, "rceil"), False),  # empty
         (rw, (x, -1), True),
-        (rw, (x[:, ::2], 0), False),  # not contiguous
-        (rw, (x, 0, offs), False),  # grouped
+        (rw, (x[:, ::2], 0), True),  # strided
+        (rw, (x, 0, offs), True),  # grouped
+        (rw, (x.t(), 1, offs), True),  # grouped, transposed
+        (rw, (x4, 3), False),
     ]
     reference = {mx: _quantize.quantize_mxfp8, rw: _quantize.quantize_fp8_rowwise}
-    triton_fn = {mx: "mxfp8_quantize", rw: "fp8_rowwise_quantize"}
-    for cuda_fn, args, runs_triton in cases:
-        name = triton_fn[cuda_fn]
-        with mock.patch.object(_triton, name, wraps=getattr(_triton, name)) as spy:
-            out = cuda_fn(*args)
-        assert spy.called == runs_triton, (cuda_fn.__name__, args[1:], runs_triton)
-        for a, e in zip(out, reference[cuda_fn](*args)):
-            _assert_bits_equal(a, e, f"{cuda_fn.__name__} {args[1:]}")
+    kernel = {mx: "_mxfp8_quantize_kernel", rw: "_fp8_rowwise_quantize_kernel"}
+    for fn, args, launches in cases:
+        launched = []
+        real = _triton.wrap_triton
+        with mock.patch.object(_triton, "wrap_triton", side_effect=lambda k: launched.append(k) or real(k)):
+            out = fn(*args)
+        assert [k.fn.__name__ for k in launched] == [kernel[fn]] * launches, (fn.__name__, args[1:])
+        for a, e in zip(out, reference[fn](*args)):
+            _assert_bits_equal(a, e, f"{fn.__name__} {args[1:]}")
+            assert a.is_contiguous(), (fn.__name__, args[1:])
     # invalid input fails with the reference's message
-    for cuda_fn, ref_fn in reference.items():
+    for fn, ref_fn in reference.items():
         msgs = []
-        for fn in (cuda_fn, ref_fn):
+        for f in (fn, ref_fn):
             try:
-                fn(x.double())
+                f(x.double())
             except RuntimeError as e:
                 msgs.append(str(e))
         assert len(msgs) == 2 and msgs[0] == msgs[1], msgs
@@ -242,6 +284,11 @@ def _check_scaled_grouped_mm_fallback() -> None:
     """The CUDA fallback of scaled_grouped_mm (fp32 dequantization + the Triton grouped GEMM)
     against the CPU kernel, both layouts, both recipes, fp32 and bf16 outputs, with an empty
     group and rows past offs[-1]."""
+    sys.path.insert(0, os.path.join(_TEST_DIR, "cuda"))
+    from _interpreter import patch_interpreter_bf16_dot
+
+    # a bf16 output multiplies bf16 operands, which the interpreter's tl.dot gets wrong
+    patch_interpreter_bf16_dot()
     import torch_moe  # noqa: F401
     from torch_moe.quantization._cuda import scaled_grouped_mm_emulated_triton
 
@@ -295,6 +342,9 @@ class TestQuantizationTriton(TestCase):
 
     def test_fp8_rowwise(self):
         self._run_interpreted("_check_fp8_rowwise")
+
+    def test_fp8_rowwise_grouped(self):
+        self._run_interpreted("_check_fp8_rowwise_grouped")
 
     def test_cuda_registration(self):
         self._run_interpreted("_check_cuda_registration")

@@ -41,9 +41,13 @@ def _quantized_grouped_mm_backward(ctx, grad):
             # alignment, so those rows can be cut to make M a whole number of blocks.
             M = input.size(0)
             rows = M - M % GROUP_ALIGNMENT[recipe]
-            x, scale_x = quantize(input[:rows], 0, recipe, mode, offs)
-            g, scale_g = quantize(grad[:rows], 0, recipe, mode, offs)
-            grad_weight = ops.scaled_grouped_mm(x.t(), g, scale_x.t(), scale_g, offs, weight.dtype)
+            # Quantized from transposed views: x^T [K, M] row-major and dy^T [N, M], i.e. dy
+            # column-major, the layouts of the GEMM's operands (one pass each on CUDA).
+            xt, scale_xt = quantize(input.narrow(0, 0, rows).t(), 1, recipe, mode, offs)
+            gt, scale_gt = quantize(grad.narrow(0, 0, rows).t(), 1, recipe, mode, offs)
+            grad_weight = ops.scaled_grouped_mm(
+                xt, gt.t(), scale_xt, scale_gt.t(), offs, weight.dtype
+            )
     return grad_input, grad_weight, None, None, None, None
 
 

@@ -2,7 +2,8 @@
 
 The metadata checks (shape, dtype, device) are shared by the fake and device kernels; the value
 checks (:func:`check_group_offsets`, :func:`check_rowwise_scale_values`) are called by the
-device kernels only: they raise on CPU and assert on device elsewhere, with no host sync.
+device kernels only: they raise on eager CPU tensors and are on-device asserts elsewhere (other
+devices, and while ``torch.compile`` traces), with no host sync.
 """
 
 import torch
@@ -108,40 +109,46 @@ def check_rowwise_scale(op: str, name: str, scale: torch.Tensor, expected_shape)
     )
 
 
+def _raises_eagerly(t: torch.Tensor) -> bool:
+    """Whether a value check of ``t`` may read it on the host: eager CPU tensors only. On other
+    devices, and while ``torch.compile`` traces, it is an on-device assert (no synchronisation,
+    no data-dependent graph break)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_group_offsets(op: str, offs: torch.Tensor, limit: int, multiple: int = 1) -> None:
     """Value checks of ``offs`` (cumulative group ends): non-decreasing, ``offs[-1] <= limit``
-    and every group size a multiple of ``multiple``. On CPU the check raises; elsewhere it is
-    an on-device assert, so it costs no host synchronisation."""
+    and every group size a multiple of ``multiple``. On CPU the check raises with the values
+    found; elsewhere it is an on-device assert with the same message minus the values."""
     _checks.check_offs(op, offs)
     if offs.numel() == 0:
         return
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    if offs.device.type != "cpu":
-        ok = (sizes >= 0).all() & (offs[-1] <= limit) & (sizes % multiple == 0).all()
-        assert_async(
-            ok, f"{op}: offs must be non-decreasing group ends <= {limit}, each group a "
-            f"multiple of {multiple}"
-        )
+    decreasing = f"{op}: expected offs to be non-decreasing and non-negative"
+    past_end = f"{op}: expected offs[-1] <= {limit}"
+    misaligned = (
+        f"{op}: expected every group size to be a multiple of {multiple} (blocks must not "
+        f"straddle groups; pad groups with token_sort(..., align={multiple}))"
+    )
+    if not _raises_eagerly(offs):
+        assert_async((sizes >= 0).all(), decreasing)
+        assert_async(offs.select(0, -1) <= limit, past_end)
+        if multiple > 1:
+            assert_async((sizes % multiple == 0).all(), misaligned)
         return
     bad = torch.nonzero(sizes < 0)
     if bad.numel():
         g = int(bad[0])
         prev = f"offs[{g - 1}] = {int(offs[g - 1])}" if g else "0"
+        raise RuntimeError(f"{decreasing}, but offs[{g}] = {int(offs[g])} < {prev}")
+    last = int(offs[-1])
+    if last > limit:
+        raise RuntimeError(f"{past_end}, but got {last}")
+    bad = torch.nonzero(sizes % multiple)
+    if bad.numel():
+        g = int(bad[0])
         raise RuntimeError(
-            f"{op}: expected offs to be non-decreasing and non-negative, but offs[{g}] = "
-            f"{int(offs[g])} < {prev}"
-        )
-    torch._check(
-        int(offs[-1]) <= limit,
-        lambda: f"{op}: expected offs[-1] <= {limit}, but got {int(offs[-1])}",
-    )
-    misaligned = torch.nonzero(sizes % multiple)
-    if misaligned.numel():
-        g = int(misaligned[0])
-        raise RuntimeError(
-            f"{op}: expected every group size to be a multiple of {multiple} (blocks must not "
-            f"straddle groups; pad groups with token_sort(..., align={multiple})), but group {g} "
-            f"has {int(sizes[g])} rows (offs[{g}] = {int(offs[g])})"
+            f"{misaligned}, but group {g} has {int(sizes[g])} rows (offs[{g}] = {int(offs[g])})"
         )
 
 
@@ -151,18 +158,17 @@ def check_group_offsets_meta(op: str, offs: torch.Tensor) -> None:
 
 def check_rowwise_scale_values(op: str, name: str, scale: torch.Tensor) -> None:
     """FP8 rowwise scales are positive finite powers of two, or NaN (a row that held NaN or
-    Inf, which the GEMM must turn into NaN). An Inf or non-positive scale is a caller bug."""
+    Inf, which the GEMM must turn into NaN). An Inf or non-positive scale is a caller bug.
+    Raises on CPU, an on-device assert elsewhere (see :func:`check_group_offsets`)."""
+    message = f"{op}: expected {name} to hold positive finite scales (or NaN for a non-finite row)"
     bad = torch.isinf(scale) | (scale <= 0)
-    if scale.device.type != "cpu":
-        assert_async(~bad.any(), f"{op}: {name} must be positive and finite (or NaN)")
+    if not _raises_eagerly(scale):
+        assert_async(bad.any().logical_not(), message)
         return
     idx = torch.nonzero(bad)
     if idx.numel():
         where = tuple(idx[0].tolist())
-        raise RuntimeError(
-            f"{op}: expected {name} to hold positive finite scales (or NaN for a non-finite "
-            f"row), but got {scale[where].item()} at index {where}"
-        )
+        raise RuntimeError(f"{message}, but got {scale[where].item()} at index {where}")
 
 
 def check_same_device(op: str, a: torch.Tensor, b: torch.Tensor, a_name: str, b_name: str) -> None:

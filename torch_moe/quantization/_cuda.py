@@ -46,6 +46,7 @@ import torch
 
 from torch_moe import _compat
 from torch_moe.quantization import _checks as C
+from torch_moe.quantization import _quantize as Q
 from torch_moe.quantization import _scaled_grouped_mm as S
 from torch_moe.quantization._formats import BLOCK_SIZE
 
@@ -135,6 +136,9 @@ def _use_native(recipe: str, layout: str, mat_a, mat_b, offs) -> bool:
     if mat_a.device.type != "cuda" or torch.version.hip is not None:
         # ROCm takes e4m3fnuz and unswizzled MX scales: not the layouts built here.
         return False
+    if not torch.cuda.is_available():
+        # fake CUDA tensors on a machine without a GPU (tracing): no device to ask
+        return False
     capability = torch.cuda.get_device_capability(mat_a.device)
     return native_kernel_supported(recipe, layout, capability, _built_with_mslk()) and (
         native_shapes_supported(mat_a, mat_b, offs)
@@ -176,7 +180,7 @@ def _group_of(ends: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, t
     outside = g >= ends.size(0)
     g = g.clamp_(max=ends.size(0) - 1)
     starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
-    return g, pos - starts[g], outside
+    return g, pos - starts.index_select(0, g), outside
 
 
 def _in_tile_row(r: torch.Tensor) -> torch.Tensor:
@@ -217,14 +221,15 @@ def to_blocked_row_groups(scale: torch.Tensor, group_ends: torch.Tensor) -> torc
     block_start = torch.cumsum(padded, 0) - padded  # P_g, in rows
     g, lr, outside = _group_of(ends, R)
     # Byte offset = row part + column part: a row's stripe of tiles is 128 * Cp bytes long.
-    row_off = (block_start[g] + lr // _TILE_ROWS * _TILE_ROWS) * Cp + _in_tile_row(lr)
+    row_off = (block_start.index_select(0, g) + lr // _TILE_ROWS * _TILE_ROWS) * Cp
+    row_off = row_off + _in_tile_row(lr)
     # Rows of no group go to a scratch tile past the end, sliced off below.
     row_off = torch.where(outside, rows * Cp, row_off)
     col_off = _in_stripe_col(torch.arange(Cn, device=b.device, dtype=torch.int64))
-    dest = row_off[:, None] + col_off[None, :]
+    dest = row_off.unsqueeze(1) + col_off.unsqueeze(0)
     flat = b.new_zeros((rows + _TILE_ROWS) * Cp)
     flat.index_put_((dest.reshape(-1),), b.reshape(-1))
-    return flat[: rows * Cp].view(rows, Cp)
+    return flat.narrow(0, 0, rows * Cp).view(rows, Cp)
 
 
 def to_blocked_col_groups(scale: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
@@ -255,17 +260,17 @@ def to_blocked_col_groups(scale: torch.Tensor, group_ends: torch.Tensor) -> torc
     g, lc, outside = _group_of(ends, Cn)
     # Inside group g a stripe of 128 rows is 128 * padded[g] bytes long, so the row term
     # depends on the column's group: byte = col_base + (r // 128) * stripe + in_tile_row(r).
-    col_base = block_start[g] * Rp + _in_stripe_col(lc)
-    stripe = padded[g] * _TILE_ROWS
+    col_base = block_start.index_select(0, g) * Rp + _in_stripe_col(lc)
+    stripe = padded.index_select(0, g) * _TILE_ROWS
     # Columns of no group go to a scratch tile past the end, sliced off below.
     col_base = torch.where(outside, Rp * cols, col_base)
     stripe = torch.where(outside, 0, stripe)
     r = torch.arange(R, device=b.device, dtype=torch.int64)
-    row_term = (r // _TILE_ROWS)[:, None] * stripe[None, :] + _in_tile_row(r)[:, None]
-    dest = col_base[None, :] + row_term
+    row_term = (r // _TILE_ROWS).unsqueeze(1) * stripe.unsqueeze(0) + _in_tile_row(r).unsqueeze(1)
+    dest = col_base.unsqueeze(0) + row_term
     flat = b.new_zeros(Rp * cols + _TILE_BYTES)
     flat.index_put_((dest.reshape(-1),), b.reshape(-1))
-    return flat[: Rp * cols].view(Rp, cols)
+    return flat.narrow(0, 0, Rp * cols).view(Rp, cols)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +321,7 @@ def native_operands(mat_a, mat_b, scale_a, scale_b, offs, recipe: str):
         else:
             sa = scale_a.t().reshape(-1)  # [K, G] -> [G * K]
             sb = scale_b.reshape(-1)  # [G, N] -> [G * N]
-        return a, b, sa.contiguous(), sb.contiguous()
+        return a, b, Q.contiguous(sa), Q.contiguous(sb)
     if mat_b.dim() == 3:
         # The kernel reads expert g's scale as the swizzled (N, K/32) matrix of its columns.
         sa = to_blocked_row_groups(scale_a, offs)
@@ -336,9 +341,9 @@ def _zero_outside_groups_(
     op promises zeros; without host synchronisation this costs one masked pass over ``out``."""
     if two_d_three_d:
         rows = torch.arange(out.size(0), device=out.device, dtype=offs.dtype)
-        return out.masked_fill_((rows >= offs[-1])[:, None], 0)
+        return out.masked_fill_((rows >= offs.select(0, -1)).unsqueeze(1), 0)
     empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-    return out.masked_fill_(empty[:, None, None], 0)
+    return out.masked_fill_(empty.view(-1, 1, 1), 0)
 
 
 def scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe: str) -> torch.Tensor:
@@ -388,8 +393,8 @@ def scaled_grouped_mm_emulated_bf16(
     if mat_b.dim() == 2:
         # a column-major and b row-major: the one 2D x 2D layout whose CUTLASS setup accepts
         # empty groups (the others assert on the device).
-        a = a.t().contiguous().t()
-        b = b.contiguous()
+        a = Q.contiguous(a.t()).t()
+        b = Q.contiguous(b)
     out = _compat.grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
     return _zero_outside_groups_(out, offs, mat_b.dim() == 3)
 
@@ -397,15 +402,23 @@ def scaled_grouped_mm_emulated_bf16(
 def scaled_grouped_mm_emulated_triton(
     mat_a, mat_b, scale_a, scale_b, offs, recipe: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Fallback with the Triton grouped GEMM of :mod:`torch_moe._triton`: both operands
-    dequantized to fp32 (exact), fp32 accumulation (no TF32 unless the user enabled it for
-    fp32 matmuls), one rounding to ``out_dtype``: the CPU kernel's contract, fp32 and fp16
-    outputs included. Zero outside the groups; offsets must already be validated. It runs on
-    CPU tensors too under ``TRITON_INTERPRET=1``, which is how it is tested."""
-    from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
+    """Fallback with the Triton grouped GEMM of :mod:`torch_moe._triton`, for GPUs and shapes
+    without a native kernel (FP8 rowwise off SM90, MXFP8 off SM100, the FP8 weight gradient):
+    both operands dequantized, fp32 accumulation, one rounding to ``out_dtype``: the CPU
+    kernel's contract. Zero outside the groups; offsets must already be validated. It runs on
+    CPU tensors too under ``TRITON_INTERPRET=1``, which is how it is tested.
 
-    a, b = _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, torch.float32)
-    return triton_grouped_mm(a, b, offs).to(out_dtype)
+    For a bf16 output the operands are dequantized to bf16, exact as explained in
+    :func:`scaled_grouped_mm_emulated_bf16`: half the bytes of fp32, and a bf16 GEMM runs on the
+    tensor cores, where an fp32 one without TF32 does not. fp16 and fp32 outputs dequantize to
+    fp32 (fp16 cannot hold the scales' range)."""
+    from torch_moe._triton import cuda_kernel
+
+    triton_grouped_mm = cuda_kernel("grouped_mm")  # the Triton kernel, a triton_op
+    dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    a, b = _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, dtype)
+    out = triton_grouped_mm(a, b, offs)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,7 +451,7 @@ def scaled_grouped_mm_cuda(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch
     layout = "2d_3d" if two_d_three_d else "2d_2d"
     if _use_native(recipe, layout, mat_a, mat_b, offs):
         out = scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe)
-    elif _HAS_TRITON and mat_a.device.type == "cuda":
+    elif _HAS_TRITON and mat_a.device.type != "cpu":  # (Triton needs the interpreter on CPU)
         return scaled_grouped_mm_emulated_triton(mat_a, mat_b, scale_a, scale_b, offs, recipe,
                                                  out_dtype)
     else:

@@ -49,7 +49,7 @@ def max_normal(elem_dtype: torch.dtype) -> float:
 
 
 def _exponent_and_mantissa(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    bits = t.contiguous().view(torch.int32)
+    bits = t.view(torch.int32)  # a view of the same element size: any strides
     return (bits >> _MANT_BITS) & 0xFF, bits & _MANT_MASK
 
 

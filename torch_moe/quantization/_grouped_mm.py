@@ -15,6 +15,11 @@ every group size is a multiple of 32 (MXFP8) or 16 (FP8), which ``token_sort(...
 provides. ``wgrad_high_precision`` computes dW in the input dtype instead (torchao's
 ``wgrad_with_hp``, TransformerEngine's ``rowwise_with_gw_hp``).
 
+Operand layouts: every operand is quantized into the layout the GEMM reads (aten's scaled
+grouped GEMM: ``mat_a`` row-major, ``mat_b`` column-major), quantizing a transposed view where
+that layout is the transpose (the forward's ``W``, both weight-gradient operands); the CUDA
+quantizers write the transposed copy in the same pass, and the GEMM copies nothing.
+
 Saved for backward: ``input`` and ``weight`` in high precision (the quantized copies are
 rebuilt along the backward axes, which is cheaper in memory than keeping three of them); the
 backward formulas are in :mod:`torch_moe.quantization._autograd`.
@@ -64,8 +69,12 @@ def quantized_grouped_mm_forward(input, weight, offs, recipe, scale_mode="rceil"
     checks the values of offs. Traceable: the Inductor decomposition is this function."""
     check_quantized_grouped_mm(input, weight, offs, recipe, scale_mode)
     a, scale_a = quantize(input, 1, recipe, scale_mode)
-    b, scale_b = quantize(weight, 1, recipe, scale_mode)
-    return ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs, input.dtype)
+    # W quantized along K from its transposed view: data [G, N, K] contiguous, which is the
+    # column-major [G, K, N] operand aten's scaled grouped GEMM takes, in one pass on CUDA
+    bt, scale_bt = quantize(weight.transpose(1, 2), 2, recipe, scale_mode)
+    return ops.scaled_grouped_mm(
+        a, bt.transpose(1, 2), scale_a, scale_bt.transpose(1, 2), offs, input.dtype
+    )
 
 
 def quantized_grouped_mm(input, weight, offs, recipe, scale_mode="rceil", wgrad_high_precision=False):

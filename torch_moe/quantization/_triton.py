@@ -9,29 +9,39 @@ is written in integer operations too. The integer rounding needs no native FP8 c
 it runs on every GPU) and is exact under ``TRITON_INTERPRET=1``, whose FP8 conversion does not
 round to nearest even: the interpreter runs the very code a GPU runs.
 
-Layout: a contiguous ``x`` with the quantized dim ``dim`` of size ``R`` is viewed as
-``[outer, R, inner]`` (``outer`` / ``inner``: the products of the sizes before / after
-``dim``). When ``inner == 1`` (``dim`` is the last dim) a kernel program handles a tile of
-``outer`` rows, contiguous along ``R``; otherwise a tile of ``inner`` columns, contiguous across
-the tile, of one ``outer`` slice. These are the "lanes": the positions that get their own
-scales. The Triton paths need a contiguous ``x`` and no ``offs``; everything else runs the
-reference kernels (see :func:`register_cuda_kernels`).
+Layout: ``x`` is addressed as ``(batch, lane, red)``, ``red`` the quantized dim and ``lane`` /
+``batch`` the other dims collapsed into two strided runs, each tensor with its own strides
+(:class:`_Layout`). A program handles a tile of lanes; the lanes get their own scales. ``x`` may
+have any strides that collapse so, while ``data`` and ``scale`` are always contiguous: quantizing
+a transposed view writes the transposed copy in the same pass, which is how the weight-gradient
+GEMM gets its operands (``x.t()`` quantized along the tokens, row-major, in one kernel).
+
+FP8 rowwise takes ``offs`` too (one scale per group of ``dim``, the weight-gradient recipe): one
+program per lane tile and group, which reads the group's ends on the device; the rows past
+``offs[-1]`` quantize to zeros, as in the reference.
+
+Nothing here reads a tensor value on the host, and every launch goes through
+:func:`torch.library.wrap_triton`, so the functions run on fake tensors (launching nothing)
+and under tracing. :data:`KERNELS` are the CUDA kernels of the public ops; the current CUDA
+device must be the tensors' (the registered wrappers of :mod:`torch_moe.quantization._kernels`
+set it).
 """
 
-import contextlib
-import math
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
 
+from torch_moe.quantization import _checks as C
 from torch_moe.quantization import _quantize
 from torch_moe.quantization._checks import mx_scale_shape, rowwise_scale_shape
 from torch_moe.quantization._formats import BLOCK_SIZE, max_normal
 
-__all__ = ["mxfp8_quantize", "fp8_rowwise_quantize", "register_cuda_kernels"]
+__all__ = ["KERNELS", "mxfp8_quantize", "fp8_rowwise_quantize"]
 
 # (mantissa bits, exponent bias) of the OCP FP8 element formats
 _FP8_FIELDS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
@@ -135,6 +145,11 @@ def _quantize_elements(
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
+#
+# Every tensor is addressed as (batch, lane, red) with its own three strides: ``red`` is the
+# quantized dim, ``lane`` and ``batch`` the other dims collapsed (see _Layout). ``x`` may have any
+# such strides while ``data`` and ``scale`` are contiguous, so a kernel that reads a transposed
+# view writes the transposed copy: quantize and transpose in one pass.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -149,6 +164,9 @@ def _mxfp8_quantize_kernel(
     x_stride_batch,
     x_stride_lane,
     x_stride_red,
+    d_stride_batch,
+    d_stride_lane,
+    d_stride_red,
     s_stride_batch,
     s_stride_lane,
     s_stride_block,
@@ -162,10 +180,7 @@ def _mxfp8_quantize_kernel(
     BLOCK_R: tl.constexpr,
 ):
     """One program: a [BLOCK_L lanes, BLOCK_R] tile, BLOCK_R // 32 MX blocks per lane.
-
-    grid = (lane_tiles * batch, cdiv(n_red, BLOCK_R)); ``data`` has ``x``'s strides, ``scale``
-    its own (the blocked dim of size n_red // 32).
-    """
+    grid = (lane_tiles * batch, cdiv(n_red, BLOCK_R))."""
     NB: tl.constexpr = BLOCK_R // 32
     pid = tl.program_id(0)
     batch = (pid // lane_tiles).to(tl.int64)
@@ -173,14 +188,12 @@ def _mxfp8_quantize_kernel(
     red = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     lane_ok = lanes < n_lanes
     mask = lane_ok[:, None] & (red < n_red)[None, :]
-    lanes64 = lanes.to(tl.int64)
-    offs = (
-        batch * x_stride_batch
-        + lanes64[:, None] * x_stride_lane
-        + red.to(tl.int64)[None, :] * x_stride_red
-    )
+    lanes64 = lanes.to(tl.int64)[:, None]
+    red64 = red.to(tl.int64)[None, :]
+    x_offs = batch * x_stride_batch + lanes64 * x_stride_lane + red64 * x_stride_red
+    d_offs = batch * d_stride_batch + lanes64 * d_stride_lane + red64 * d_stride_red
 
-    bits = tl.reshape(_load_fp32_bits(x_ptr + offs, mask), (BLOCK_L, NB, 32))
+    bits = tl.reshape(_load_fp32_bits(x_ptr + x_offs, mask), (BLOCK_L, NB, 32))
     # amax on |x|'s bits: integer order is value order, and NaN (> Inf) wins the max as the
     # reference's NaN-propagating amax does.
     amax = tl.max(bits & 0x7FFFFFFF, axis=2)
@@ -194,7 +207,7 @@ def _mxfp8_quantize_kernel(
     blocks = tl.program_id(1) * NB + tl.arange(0, NB)
     s_offs = (
         batch * s_stride_batch
-        + lanes64[:, None] * s_stride_lane
+        + lanes64 * s_stride_lane
         + blocks.to(tl.int64)[None, :] * s_stride_block
     )
     s_mask = lane_ok[:, None] & (blocks * 32 < n_red)[None, :]
@@ -203,7 +216,7 @@ def _mxfp8_quantize_kernel(
     q = _quantize_elements(
         bits, _pow2(127 - byte)[:, :, None], nan_block[:, :, None], MAX_BITS, MANT_BITS, EXP_BIAS
     )
-    tl.store(data_ptr + offs, tl.reshape(q, (BLOCK_L, BLOCK_R)), mask=mask)
+    tl.store(data_ptr + d_offs, tl.reshape(q, (BLOCK_L, BLOCK_R)), mask=mask)
 
 
 @triton.jit
@@ -211,55 +224,84 @@ def _fp8_rowwise_quantize_kernel(
     x_ptr,
     data_ptr,
     scale_ptr,
+    offs_ptr,
     n_lanes,
     n_red,
+    n_groups,
     lane_tiles,
     x_stride_batch,
     x_stride_lane,
     x_stride_red,
+    d_stride_batch,
+    d_stride_lane,
+    d_stride_red,
     s_stride_batch,
+    s_stride_lane,
+    s_stride_group,
     MANT_BITS: tl.constexpr,
     EXP_BIAS: tl.constexpr,
     MAX_BITS: tl.constexpr,
     RECIP_BITS: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """One program: BLOCK_L lanes, each reduced over all n_red positions in BLOCK_R steps (one
-    pass for the amax, one to quantize). grid = (lane_tiles * batch,); ``scale`` holds one fp32
-    per lane, lanes contiguous."""
+    """One program: BLOCK_L lanes of one segment of the reduced dim, in BLOCK_R steps (one pass
+    for the amax, one to quantize). grid = (lane_tiles * batch, segments).
+
+    Without ``GROUPED`` the one segment is the whole of ``n_red``. With it, segment ``g < G`` is
+    group ``g``, ``[offs[g-1], offs[g])``, and segment ``G`` the tail ``[offs[-1], n_red)``,
+    which belongs to no group and is written as zeros (no scale). The group ends are read on the
+    device and clamped to ``[0, n_red]``, so invalid offsets never address out of bounds."""
     pid = tl.program_id(0)
+    seg = tl.program_id(1)
     batch = (pid // lane_tiles).to(tl.int64)
     lanes = (pid % lane_tiles) * BLOCK_L + tl.arange(0, BLOCK_L)
     lane_ok = lanes < n_lanes
-    base = batch * x_stride_batch + lanes.to(tl.int64) * x_stride_lane
+    lanes64 = lanes.to(tl.int64)[:, None]
+    x_base = batch * x_stride_batch + lanes64 * x_stride_lane
+    d_base = batch * d_stride_batch + lanes64 * d_stride_lane
+
+    if GROUPED:
+        start = tl.load(offs_ptr + seg - 1, mask=seg > 0, other=0)
+        end = tl.load(offs_ptr + seg, mask=seg < n_groups, other=n_red)
+        start = tl.minimum(tl.maximum(start, 0), n_red)
+        end = tl.minimum(tl.maximum(end, start), n_red)
+        amax_end = tl.where(seg < n_groups, end, start)  # the tail needs no amax
+    else:
+        start = 0
+        end = n_red
+        amax_end = n_red
+    # per lane: whether the segment is a group (False for the tail)
+    in_group = (tl.zeros([BLOCK_L], dtype=tl.int32) + seg) < n_groups
 
     amax = tl.zeros([BLOCK_L], dtype=tl.int32)
-    for start in range(0, n_red, BLOCK_R):
-        red = start + tl.arange(0, BLOCK_R)
-        mask = lane_ok[:, None] & (red < n_red)[None, :]
-        offs = base[:, None] + red.to(tl.int64)[None, :] * x_stride_red
-        bits = _load_fp32_bits(x_ptr + offs, mask)
+    for step in range(start, amax_end, BLOCK_R):
+        red = step + tl.arange(0, BLOCK_R)
+        mask = lane_ok[:, None] & (red < end)[None, :]
+        bits = _load_fp32_bits(x_ptr + x_base + red.to(tl.int64)[None, :] * x_stride_red, mask)
         amax = tl.maximum(amax, tl.max(bits & 0x7FFFFFFF, axis=1))
 
     # The RCEIL byte, at least 1 so that the scale stays a normal fp32; NaN for NaN/Inf rows.
     nan_row = amax >= 0x7F800000
     byte = tl.maximum(_rceil_byte(amax, RECIP_BITS), 1)
     scale = tl.where(nan_row, 0x7FC00000, byte << 23).to(tl.float32, bitcast=True)
-    tl.store(scale_ptr + batch * s_stride_batch + lanes, scale, mask=lane_ok)
+    s_offs = batch * s_stride_batch + lanes.to(tl.int64) * s_stride_lane + seg * s_stride_group
+    tl.store(scale_ptr + s_offs, scale, mask=lane_ok & in_group)
 
-    factor = _pow2(127 - byte)[:, None]
-    for start in range(0, n_red, BLOCK_R):
-        red = start + tl.arange(0, BLOCK_R)
-        mask = lane_ok[:, None] & (red < n_red)[None, :]
-        offs = base[:, None] + red.to(tl.int64)[None, :] * x_stride_red
-        bits = _load_fp32_bits(x_ptr + offs, mask)
+    # the tail reads nothing (zeros) and scales by 0: zero bytes
+    factor = tl.where(in_group, _pow2(127 - byte), 0.0)[:, None]
+    for step in range(start, end, BLOCK_R):
+        red = step + tl.arange(0, BLOCK_R)
+        mask = lane_ok[:, None] & (red < end)[None, :]
+        red64 = red.to(tl.int64)[None, :]
+        bits = _load_fp32_bits(x_ptr + x_base + red64 * x_stride_red, mask & in_group[:, None])
         q = _quantize_elements(bits, factor, nan_row[:, None], MAX_BITS, MANT_BITS, EXP_BIAS)
-        tl.store(data_ptr + offs, q, mask=mask)
+        tl.store(data_ptr + d_base + red64 * d_stride_red, q, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side
+# Host side (no tensor values are read: everything here runs on fake tensors too)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -281,45 +323,78 @@ def _format_constants(elem_dtype: torch.dtype) -> dict:
     )
 
 
-class _Lanes(NamedTuple):
-    """A contiguous tensor as ``batch`` slices of ``n_lanes`` lanes of ``n_red`` positions each:
-    element (b, l, r) at ``b * x_stride_batch + l * x_stride_lane + r * x_stride_red``."""
+def _contiguous_strides(shape) -> list:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
+class _Layout(NamedTuple):
+    """``x`` (and its contiguous ``data`` and ``scale``) as ``batch`` slices of ``n_lanes`` lanes
+    of ``n_red`` positions: element (b, l, r) of ``x`` at ``b * x[0] + l * x[1] + r * x[2]``
+    (``x`` the strides), likewise for ``data`` and ``scale`` (``scale``'s third stride steps
+    from one block / group to the next)."""
 
     batch: int
     n_lanes: int
     n_red: int
-    x_stride_batch: int
-    x_stride_lane: int
-    x_stride_red: int
+    x: tuple
+    data: tuple
+    scale: tuple
 
 
-def _lanes(shape, dim: int) -> _Lanes:
-    """Lanes of a contiguous tensor of ``shape`` reduced / blocked along ``dim``."""
-    outer, n_red, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-    if inner == 1:
-        return _Lanes(1, outer, n_red, 0, n_red, 1)
-    return _Lanes(outer, inner, n_red, n_red * inner, 1, inner)
+def _layout(x: torch.Tensor, dim: int, scale_shape) -> Optional[_Layout]:
+    """The (batch, lane, red) view of ``x`` quantized along ``dim``, or None when the dims other
+    than ``dim`` do not collapse into two strided runs (the reference kernel takes those).
+
+    The dims before ``dim`` and those after it collapse separately (in ``data`` and ``scale``
+    they are never adjacent); a run is a sequence of dims that ``x``'s strides nest."""
+    data_strides = _contiguous_strides(x.shape)
+    scale_strides = _contiguous_strides(scale_shape)
+    runs = []  # [size, x stride, data stride, scale stride]
+    for side in (range(dim), range(dim + 1, x.dim())):
+        prev = None
+        for i in side:
+            n = x.size(i)
+            if n == 1:
+                continue
+            if prev is not None and prev[1] == x.stride(i) * n:
+                prev[0] *= n
+                prev[1:] = [x.stride(i), data_strides[i], scale_strides[i]]
+            else:
+                prev = [n, x.stride(i), data_strides[i], scale_strides[i]]
+                runs.append(prev)
+    if len(runs) > 2:
+        return None
+    runs = [[1, 0, 0, 0]] * (2 - len(runs)) + runs
+    batch, lane = runs
+    if batch[1] == 1:  # the lanes are the run that x holds contiguously
+        batch, lane = lane, batch
+    return _Layout(
+        batch[0], lane[0], x.size(dim),
+        (batch[1], lane[1], x.stride(dim)),
+        (batch[2], lane[2], data_strides[dim]),
+        (batch[3], lane[3], scale_strides[dim]),
+    )
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), cap)
 
 
-def _mxfp8_tiles(v: _Lanes) -> tuple:
-    """(BLOCK_L, BLOCK_R): long along the contiguous axis, ~_TILE elements."""
-    if v.x_stride_red == 1:
-        block_r = _pow2_at_most(v.n_red, 128)
+def _tiles(v: _Layout, max_red: int, max_lanes: int, min_red: int) -> tuple:
+    """(BLOCK_L, BLOCK_R), about _TILE elements, long along the axis ``x`` is contiguous on; a
+    square tile when ``x`` and ``data`` are contiguous along different axes (a transposing
+    quantize: both the loads and the stores stay coalesced)."""
+    if v.x[1] == 1 and v.data[2] == 1:
+        return _pow2_at_most(v.n_lanes, 64), max(_pow2_at_most(v.n_red, 64), min_red)
+    if v.x[2] == 1 or v.x[1] != 1:
+        block_r = max(_pow2_at_most(v.n_red, max_red), min_red)
         return _pow2_at_most(v.n_lanes, _TILE // block_r), block_r
-    block_l = _pow2_at_most(v.n_lanes, 128)
-    return block_l, max(_pow2_at_most(v.n_red, _TILE // block_l), BLOCK_SIZE)
-
-
-def _rowwise_tiles(v: _Lanes) -> tuple:
-    if v.x_stride_red == 1:
-        block_r = _pow2_at_most(v.n_red, 1024)
-        return _pow2_at_most(v.n_lanes, _TILE // block_r), block_r
-    block_l = _pow2_at_most(v.n_lanes, 256)
-    return block_l, _pow2_at_most(v.n_red, _TILE // block_l)
+    block_l = _pow2_at_most(v.n_lanes, max_lanes)
+    return block_l, max(_pow2_at_most(v.n_red, _TILE // block_l), min_red)
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -327,25 +402,35 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
-def _device_guard(x: torch.Tensor):
-    # Triton launches on the current device's stream; make that x's device.
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
-
-def _mxfp8_grid(v: _Lanes) -> tuple:
-    block_l, block_r = _mxfp8_tiles(v)
-    lane_tiles = triton.cdiv(v.n_lanes, block_l)
-    return (lane_tiles * v.batch, triton.cdiv(v.n_red, block_r)), lane_tiles, block_l, block_r
-
-
-def _rowwise_grid(v: _Lanes) -> tuple:
-    block_l, block_r = _rowwise_tiles(v)
-    lane_tiles = triton.cdiv(v.n_lanes, block_l)
-    return (lane_tiles * v.batch,), lane_tiles, block_l, block_r
-
-
 def _fits(grid: tuple) -> bool:
     return grid[0] <= _MAX_GRID_0 and all(n <= _MAX_GRID_1 for n in grid[1:])
+
+
+def _mxfp8_launch(x: torch.Tensor, d: int):
+    """(layout, grid, tiles) of the MXFP8 kernel for ``x``, or None if it cannot take ``x``."""
+    if x.numel() == 0:
+        return None
+    v = _layout(x, d, mx_scale_shape(x.shape, d))
+    if v is None:
+        return None
+    block_l, block_r = _tiles(v, 128, 128, BLOCK_SIZE)
+    lane_tiles = triton.cdiv(v.n_lanes, block_l)
+    grid = (lane_tiles * v.batch, triton.cdiv(v.n_red, block_r))
+    return (v, grid, lane_tiles, block_l, block_r) if _fits(grid) else None
+
+
+def _rowwise_launch(x: torch.Tensor, d: int, num_groups: Optional[int]):
+    """(layout, grid, tiles) of the FP8 rowwise kernel (``num_groups``: None without offs)."""
+    if x.numel() == 0:
+        return None
+    grouped = num_groups is not None
+    v = _layout(x, d, rowwise_scale_shape(x.shape, d, num_groups if grouped else 1))
+    if v is None:
+        return None
+    block_l, block_r = _tiles(v, 1024, 256, 1)
+    lane_tiles = triton.cdiv(v.n_lanes, block_l)
+    grid = (lane_tiles * v.batch, num_groups + 1 if grouped else 1)
+    return (v, grid, lane_tiles, block_l, block_r) if _fits(grid) else None
 
 
 def mxfp8_quantize(
@@ -354,11 +439,14 @@ def mxfp8_quantize(
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     scale_mode: str = "rceil",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_mxfp8`` of a contiguous ``x`` with the Triton kernel.
+    """``quantize_mxfp8`` with the Triton kernel.
 
     Args:
-        x: contiguous bf16 / fp16 / fp32 ``[..., K, ...]``, ``K = x.size(dim)`` a multiple of
-            32, on any device Triton runs on (CPU tensors under ``TRITON_INTERPRET=1``).
+        x: bf16 / fp16 / fp32 ``[..., K, ...]``, ``K = x.size(dim)`` a multiple of 32, on any
+            device Triton runs on (CPU tensors under ``TRITON_INTERPRET=1``). Any strides with
+            which the dims before ``dim`` and those after it collapse into two strided runs (a
+            transposed view of a contiguous tensor does): the contiguous outputs are then its
+            transposed copy. Other inputs, and empty ones, go to the reference kernel.
         dim: the blocked dim.
         elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         scale_mode: ``"rceil"`` or ``"floor"``.
@@ -368,118 +456,105 @@ def mxfp8_quantize(
         ``[..., K / 32, ...]``), both contiguous, bit for bit those of the reference kernel.
     """
     d = _quantize.check_quantize_mxfp8(x, dim, elem_dtype, scale_mode)
-    torch._check(x.is_contiguous(), lambda: "mxfp8_quantize: expected a contiguous x")
-    if x.numel() == 0:  # nothing to launch
+    launch = _mxfp8_launch(x, d)
+    if launch is None:
         return _quantize.quantize_mxfp8(x, d, elem_dtype, scale_mode)
-    v = _lanes(x.shape, d)
+    v, grid, lane_tiles, block_l, block_r = launch
     data = torch.empty(x.shape, dtype=elem_dtype, device=x.device)
     scale = torch.empty(mx_scale_shape(x.shape, d), dtype=torch.uint8, device=x.device)
-    grid, lane_tiles, block_l, block_r = _mxfp8_grid(v)
-    torch._check(_fits(grid), lambda: f"mxfp8_quantize: grid {grid} exceeds the launch limits")
-    nb = v.n_red // BLOCK_SIZE
-    if v.x_stride_red == 1:  # scale [outer, nb]
-        s_strides = (0, nb, 1)
-    else:  # scale [outer, nb, inner]
-        s_strides = (nb * v.n_lanes, 1, v.n_lanes)
-    with _device_guard(x):
-        _mxfp8_quantize_kernel[grid](
-            _kernel_input(x),
-            data.view(torch.uint8),
-            scale,
-            v.n_lanes,
-            v.n_red,
-            lane_tiles,
-            v.x_stride_batch,
-            v.x_stride_lane,
-            v.x_stride_red,
-            *s_strides,
-            RCEIL=scale_mode == "rceil",
-            BLOCK_L=block_l,
-            BLOCK_R=block_r,
-            **_format_constants(elem_dtype),
-        )
+    wrap_triton(_mxfp8_quantize_kernel)[grid](
+        _kernel_input(x),
+        data.view(torch.uint8),
+        scale,
+        v.n_lanes,
+        v.n_red,
+        lane_tiles,
+        *v.x,
+        *v.data,
+        *v.scale,
+        RCEIL=scale_mode == "rceil",
+        BLOCK_L=block_l,
+        BLOCK_R=block_r,
+        **_format_constants(elem_dtype),
+    )
     return data, scale
 
 
-def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_fp8_rowwise`` (no ``offs``) of a contiguous ``x`` with the Triton kernel.
+def fp8_rowwise_quantize(
+    x: torch.Tensor, dim: int = -1, offs: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8_rowwise`` with the Triton kernel.
 
     Args:
-        x: contiguous bf16 / fp16 / fp32 ``[..., K, ...]``, on any device Triton runs on.
+        x: bf16 / fp16 / fp32 ``[..., K, ...]`` on any device Triton runs on, strides as for
+            :func:`mxfp8_quantize` (a transposed view gives its transposed copy).
         dim: the reduced dim.
+        offs: optional int32 ``[G]`` cumulative group ends along ``dim``: one scale per group
+            (its values are checked with a device assert and read on the device only).
 
     Returns:
         ``data`` (``float8_e4m3fn``, ``x``'s shape) and ``scale`` (fp32 powers of two,
-        ``[..., 1, ...]``), both contiguous, bit for bit those of the reference kernel.
+        ``[..., 1 or G, ...]``), both contiguous, bit for bit those of the reference kernel.
     """
-    d, _ = _quantize.check_quantize_fp8_rowwise(x, dim, None)
-    torch._check(x.is_contiguous(), lambda: "fp8_rowwise_quantize: expected a contiguous x")
-    if x.numel() == 0:  # nothing to launch
-        return _quantize.quantize_fp8_rowwise(x, d)
-    v = _lanes(x.shape, d)
+    d, G = _quantize.check_quantize_fp8_rowwise(x, dim, offs)
+    if offs is not None:
+        C.check_group_offsets("torch_moe.quantize_fp8_rowwise", offs, x.size(d))
+    launch = _rowwise_launch(x, d, None if offs is None else G)
+    if launch is None:
+        return _quantize.quantize_fp8_rowwise(x, d, offs)
+    v, grid, lane_tiles, block_l, block_r = launch
     data = torch.empty(x.shape, dtype=_FP8_ROWWISE_DTYPE, device=x.device)
-    scale = torch.empty(rowwise_scale_shape(x.shape, d, 1), dtype=torch.float32, device=x.device)
-    grid, lane_tiles, block_l, block_r = _rowwise_grid(v)
-    torch._check(
-        _fits(grid), lambda: f"fp8_rowwise_quantize: grid {grid} exceeds the launch limits"
-    )
+    scale = torch.empty(rowwise_scale_shape(x.shape, d, G), dtype=torch.float32, device=x.device)
     consts = _format_constants(_FP8_ROWWISE_DTYPE)
     del consts["EMAX"]
-    with _device_guard(x):
-        _fp8_rowwise_quantize_kernel[grid](
-            _kernel_input(x),
-            data.view(torch.uint8),
-            scale,
-            v.n_lanes,
-            v.n_red,
-            lane_tiles,
-            v.x_stride_batch,
-            v.x_stride_lane,
-            v.x_stride_red,
-            v.n_lanes,  # scale [outer, 1, inner]: one outer slice holds n_lanes scales
-            BLOCK_L=block_l,
-            BLOCK_R=block_r,
-            **consts,
-        )
+    wrap_triton(_fp8_rowwise_quantize_kernel)[grid](
+        _kernel_input(x),
+        data.view(torch.uint8),
+        scale,
+        offs if offs is not None else scale,  # unread without GROUPED
+        v.n_lanes,
+        v.n_red,
+        G,
+        lane_tiles,
+        *v.x,
+        *v.data,
+        *v.scale,
+        GROUPED=offs is not None,
+        BLOCK_L=block_l,
+        BLOCK_R=block_r,
+        **consts,
+    )
     return data, scale
 
 
 # ---------------------------------------------------------------------------------------------
-# Registration for CUDA
+# The CUDA kernels of the public ops (registered by torch_moe.quantization._kernels, which
+# imports this module on their first call). Every launch is inside a triton_op, so that tracing
+# (torch.compile without Inductor's decomposition, a dispatch mode over fake tensors) sees an op
+# with a fake kernel rather than the Triton launch.
 # ---------------------------------------------------------------------------------------------
 
 
-def _quantize_mxfp8_cuda(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="rceil"):
-    d = _quantize.check_quantize_mxfp8(x, dim, elem_dtype, scale_mode)
-    if x.is_contiguous() and x.numel() > 0 and _fits(_mxfp8_grid(_lanes(x.shape, d))[0]):
-        return mxfp8_quantize(x, d, elem_dtype, scale_mode)
-    return _quantize.quantize_mxfp8(x, dim, elem_dtype, scale_mode)
+
+@triton_op("torch_moe::_triton_quantize_mxfp8", mutates_args=())
+def _triton_quantize_mxfp8(
+    x: Tensor,
+    dim: int = -1,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_mode: str = "rceil",
+) -> tuple[Tensor, Tensor]:
+    # Also the fake kernel (triton_op traces the body), so it must not read tensor values.
+    return mxfp8_quantize(x, dim, elem_dtype, scale_mode)
 
 
-def _quantize_fp8_rowwise_cuda(x, dim=-1, offs=None):
-    d, _ = _quantize.check_quantize_fp8_rowwise(x, dim, offs)
-    if (
-        offs is None
-        and x.is_contiguous()
-        and x.numel() > 0
-        and _fits(_rowwise_grid(_lanes(x.shape, d))[0])
-    ):
-        return fp8_rowwise_quantize(x, d)
-    return _quantize.quantize_fp8_rowwise(x, dim, offs)
+@triton_op("torch_moe::_triton_quantize_fp8_rowwise", mutates_args=())
+def _triton_quantize_fp8_rowwise(
+    x: Tensor, dim: int = -1, offs: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    return fp8_rowwise_quantize(x, dim, offs)
 
 
-_registered = False
-
-
-def register_cuda_kernels() -> None:
-    """Registers the Triton kernels as the CUDA kernels of ``torch_moe::quantize_mxfp8`` and
-    ``torch_moe::quantize_fp8_rowwise`` (they take precedence over the reference kernels
-    registered for ``CompositeExplicitAutograd``). Inputs the Triton kernels do not take
-    (non-contiguous, empty, grouped with ``offs``) still run the reference kernels. Calling it
-    again does nothing."""
-    global _registered
-    if _registered:
-        return
-    torch.library.impl("torch_moe::quantize_mxfp8", "CUDA")(_quantize_mxfp8_cuda)
-    torch.library.impl("torch_moe::quantize_fp8_rowwise", "CUDA")(_quantize_fp8_rowwise_cuda)
-    _registered = True
+KERNELS = {
+    "quantize_mxfp8": torch.ops.torch_moe._triton_quantize_mxfp8.default,
+    "quantize_fp8_rowwise": torch.ops.torch_moe._triton_quantize_fp8_rowwise.default,
+}
