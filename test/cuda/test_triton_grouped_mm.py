@@ -453,6 +453,20 @@ def _check_graph_capture() -> None:
     assert targets.count(triton_kernel_wrapper_functional) == 2, targets
     assert not any(str(t).startswith("torch_moe.") for t in targets), targets
 
+    # 4. On an sm_90 GPU, launches without a config are autotuned over the table's candidates:
+    # the captured kernel is the autotuner, with one grid per candidate, and the scattered
+    # launch resets its accumulator between measured runs.
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    T.device_arch = lambda device: (9, 0)
+    for name, reset in (("indexed", ["out_ptr"]), ("2D x 2D", [])):
+        gm = capture(triton_ops[name], inputs("cpu")[name])
+        (node,) = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        assert isinstance(kernel, triton.runtime.autotuner.Autotuner), (name, kernel)
+        assert len(kernel.configs) > 1 and len(node.kwargs["grid"]) == len(kernel.configs), name
+        assert kernel.reset_to_zero == reset, (name, kernel.reset_to_zero)
+
 
 # ---------------------------------------------------------------------------------------------
 # The tests (parent process)

@@ -1,4 +1,5 @@
-"""Triton kernels of ``torch_moe::grouped_mm`` and ``torch_moe::indexed_grouped_mm``.
+"""Triton kernels of ``torch_moe::grouped_mm``, ``torch_moe::indexed_grouped_mm`` and
+``torch_moe::indexed_grouped_mm_backward``.
 
 Two kernels cover every layout, both with fp32 accumulation (fp64 for fp64 operands), one
 rounding to the output dtype, and no host synchronisation (``offs`` is read on the device only):
@@ -6,7 +7,9 @@ rounding to the output dtype, and no host synchronisation (``offs`` is read on t
 * ``_grouped_mm_rows_kernel``: rows split by ``offs``, ``out[rows_g] = x[rows_g] @ w[g]``, with an
   optional gather of input rows, scatter of output rows and per-row scale. It is the forward of
   ``indexed_grouped_mm``, ``grouped_mm`` 2D x 3D (no indices), and ``grouped_mm`` 3D x 2D through
-  the transposed problem ``out.T[cols_g] = b.T[cols_g] @ a[g].T``.
+  the transposed problem ``out.T[cols_g] = b.T[cols_g] @ a[g].T``; on the transposed weights, the
+  input gradient of ``indexed_grouped_mm``, with the routing weights' gradient (a row-wise dot
+  product with the input rows) in its epilogue.
 * ``_grouped_mm_k_kernel``: the contraction split by ``offs``, over rows that may be gathered,
   ``out[g] = sum_{i in group g} a_rows[a_index[i]]^T (outer) b_rows[b_index[i]] * b_scale[i]``:
   the weight gradients (of ``indexed_grouped_mm`` and the fused FFN, with gathers and routing
@@ -29,6 +32,13 @@ of the additions, which varies from run to run. Under ``torch.use_deterministic_
 the rows are written unscattered and summed with ``index_add_``, which is deterministic on CUDA
 in that mode, at the cost of an ``[S, N]`` fp32 intermediate.
 
+Tiles. Without an explicit ``config``, a launch takes its tiles from the shape-keyed table of
+:mod:`torch_moe._triton._configs` and ``triton.autotune`` measures a few candidates around that
+pick on the GPU (only the pick runs without one, as under ``TRITON_INTERPRET=1``). The scattered
+launch, which accumulates, is reset to zero before each measured run (``reset_to_zero``, which
+torch.compile supports for user-defined kernels); the launch with the row-dot epilogue keeps the
+table's pick, since its partial sums have one row per column tile.
+
 Value checks (``offs`` non-decreasing with ``offs[-1] <= S``, indices in ``[-1, bound)``) are
 device asserts, compiled in only when ``TRITON_DEBUG=1`` (checking them otherwise needs a host
 synchronisation). Without them, out-of-range indices are treated as padding and offsets are clamped
@@ -37,8 +47,9 @@ a decreasing ``offs`` are then unspecified. A padded slot (-1) reads no input ro
 output row: a gathered one gives an exact zero row, a scattered one adds nothing.
 
 Every launch goes through :func:`torch.library.wrap_triton` inside a
-:func:`torch.library.triton_op` (``torch_moe::_triton_grouped_mm`` and
-``torch_moe::_triton_indexed_grouped_mm``): under ``torch.compile`` the AOT graph holds
+:func:`torch.library.triton_op` (``torch_moe::_triton_grouped_mm``,
+``torch_moe::_triton_indexed_grouped_mm``, ``torch_moe::_triton_indexed_grouped_mm_backward``):
+under ``torch.compile`` the AOT graph holds
 ``triton_kernel_wrapper_functional`` nodes, which Inductor compiles as user-defined Triton kernels
 in its generated code instead of calling back into Python. :data:`KERNELS` makes these ops the
 CUDA kernels of the public ops (see :mod:`torch_moe._triton`).
@@ -278,8 +289,8 @@ def _grouped_mm_k_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of
-    ``out[g] = sum_{offs[g-1] <= i < offs[g]} outer(a_rows[a_index[i]], b_rows[b_index[i]] * b_scale[i])``.
+    """One program: a ``[BLOCK_M, BLOCK_N]`` tile of ``out[g] = sum_i outer(a_rows[a_index[i]],
+    b_rows[b_index[i]] * b_scale[i])`` over the slots ``offs[g-1] <= i < offs[g]``.
 
     Shapes: a_rows ``[num_a_rows, M]``, b_rows ``[num_b_rows, N]``, offs ``[G]`` int32 splitting
     the ``num_slots`` slots, a_index / b_index ``[num_slots]`` int64 (identity without them),
@@ -510,7 +521,8 @@ def _launch_k_rows(
 ) -> None:
     """Launches the contraction-split kernel over gathered rows (a weight gradient)::
 
-        out[g] = sum_{offs[g-1] <= i < offs[g]} a_rows[a_index[i]]^T (outer) b_rows[b_index[i]] * b_scale[i]
+        out[g] = sum_{offs[g-1] <= i < offs[g]} outer(a_rows[a_index[i]],
+                                                     b_rows[b_index[i]] * b_scale[i])
 
     a_rows ``[Ra, M]``, b_rows ``[Rb, N]`` (any strides, same dtype), offs int32 ``[G]`` group
     ends over the S slots, out ``[G, M, N]`` (written, not accumulated: empty groups give zeros).
@@ -695,7 +707,8 @@ def indexed_grouped_mm_backward(
 
         u_i = grad[scatter_index[i] or i] @ weight[g]^T                       [S, K]
         grad_input[gather_index[i] or i] += u_i * scatter_weight[i]
-        grad_weight[g] = sum_{i in g} input[gather_index[i] or i]^T (outer) grad[...] * scatter_weight[i]
+        grad_weight[g] = sum_{i in g} outer(input[gather_index[i] or i],
+                                            grad[scatter_index[i] or i] * scatter_weight[i])
         grad_scatter_weight[i] = <u_i, input[gather_index[i] or i]>
 
     A slot padded on either side (-1) takes no part: it reads no row and contributes zero, and
@@ -763,7 +776,7 @@ def indexed_grouped_mm_backward(
             else grad_input_acc.to(input.dtype)
         )
     if want_sw:
-        grad_sw = dot_out.sum(0, dtype=acc_dtype).to(scatter_weight.dtype)
+        grad_sw = dot_out.sum(0).to(scatter_weight.dtype)
     grad_weight = None
     if want_weight:
         grad_weight = weight.new_empty(weight.shape)
