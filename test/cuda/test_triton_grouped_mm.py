@@ -558,51 +558,52 @@ _MODELS = [
 ]
 
 
+def _routing(T, k, E, device):
+    """offs, and the token of each sorted slot, for random top-k routing with a hot expert 0."""
+    g = torch.Generator().manual_seed(0)
+    experts = torch.randint(0, E, (T * k,), generator=g)
+    experts[: T * k // 4] = 0
+    order = torch.sort(experts, stable=True).indices
+    offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
+    return offs.to(device), (order // k).to(device)
+
+
+def _compare_models(device, dtype, models) -> None:
+    """The forward and backward of indexed_grouped_mm (gather, scatter, routing weights) at the
+    given layer shapes on ``device``, against the CPU ops in fp32, in both modes."""
+    from torch_moe._triton import grouped_mm as G
+
+    for name, D, F, E, T, k in models:
+        offs, token = _routing(T, k, E, device)
+        x = torch.randn(T, D, device=device, dtype=dtype)
+        w = (torch.randn(E, D, F, device=device) / D ** 0.5).to(dtype)
+        sw = torch.rand(T * k, device=device)
+        grad = torch.randn(T, F, device=device, dtype=dtype)
+        cpu = [t.cpu().float() if t.is_floating_point() else t.cpu()
+               for t in (grad, x, w, offs, token, token, sw)]
+        ref = torch.ops.torch_moe.indexed_grouped_mm(*cpu[1:], T)
+        refs = torch.ops.torch_moe.indexed_grouped_mm_backward(*cpu, [True, True, True])
+        for in_order in (False, True):
+            with deterministic() if in_order else contextlib.nullcontext():
+                out = G.indexed_grouped_mm(x, w, offs, token, token, sw, T)
+                grads = G.indexed_grouped_mm_backward(
+                    grad, x, w, offs, token, token, sw, [True, True, True])
+            for a, r, what in zip((out, *grads), (ref, *refs),
+                                  ("out", "grad_input", "grad_weight", "grad_scatter_weight")):
+                # bf16 outputs (one rounding) and bf16 products of grad * scale in
+                # grad_weight: errors relative to the output's scale
+                torch.testing.assert_close(
+                    a.float().cpu(), r, rtol=2e-2, atol=1e-2 * r.abs().max().item(),
+                    msg=f"{name} {what} deterministic={in_order}")
+
+
 class TestTritonGroupedMMCUDA(TestCase):
     """The kernels on a GPU at realistic shapes, against the CPU ops in fp32."""
-
-    def _routing(self, T, k, E, device):
-        g = torch.Generator().manual_seed(0)
-        experts = torch.randint(0, E, (T * k,), generator=g)
-        experts[: T * k // 4] = 0  # a hot expert; some experts may be empty
-        order = torch.sort(experts, stable=True).indices
-        counts = torch.bincount(experts, minlength=E)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        gather = order // k  # token of each sorted slot
-        return offs.to(device), gather.to(device), order.to(device), g
 
     @onlyCUDA
     @dtypes(torch.bfloat16)
     def test_indexed_grouped_mm_models(self, device, dtype):
-        from torch_moe._triton import grouped_mm as G
-
-        for name, D, F, E, T, k in _MODELS:
-            offs, gather, order, g = self._routing(T, k, E, device)
-            x = torch.randn(T, D, device=device, dtype=dtype)
-            w = torch.randn(E, D, F, device=device, dtype=dtype) / D ** 0.5
-            sw = torch.rand(T * k, device=device)
-            scatter = gather.clone()
-            for det in (False, True):
-                torch.use_deterministic_algorithms(det)
-                try:
-                    out = G.indexed_grouped_mm(x, w, offs, gather, scatter, sw, T)
-                    grad = torch.randn_like(out)
-                    grads = G.indexed_grouped_mm_backward(
-                        grad, x, w, offs, gather, scatter, sw, [True, True, True])
-                finally:
-                    torch.use_deterministic_algorithms(False)
-                cpu = [t.cpu().float() if t.is_floating_point() else t.cpu()
-                       for t in (x, w, offs, gather, scatter, sw, grad)]
-                ref = torch.ops.torch_moe.indexed_grouped_mm(*cpu[:6], T)
-                refs = torch.ops.torch_moe.indexed_grouped_mm_backward(
-                    cpu[6], *cpu[:6], [True, True, True])
-                for a, r, what in zip((out, *grads), (ref, *refs),
-                                      ("out", "grad_input", "grad_weight", "grad_sw")):
-                    # bf16 outputs (one rounding) and bf16 products of grad * scale in
-                    # grad_weight: errors relative to the output's scale
-                    torch.testing.assert_close(
-                        a.float().cpu(), r.float(), rtol=2e-2, atol=1e-2 * r.abs().max().item(),
-                        msg=f"{name} {what} deterministic={det}")
+        _compare_models(device, dtype, _MODELS)
 
 
 instantiate_device_type_tests(TestTritonGroupedMMCUDA, globals(), only_for="cuda")
