@@ -428,6 +428,8 @@ def _launch_rows(
 ) -> None:
     """Launches the rows kernel: x ``[R, K]``, w ``[E, K, N]`` (any strides), ``num_rows`` = S
     slots; writes ``out`` (``[S, N]``) or, with ``scatter_index``, adds into it (None: nothing).
+    Autotuned (``config=None``), a scattered launch zeroes ``out`` between its measured runs:
+    ``out`` must then hold zeros on entry; accumulating onto other values needs a ``config``.
 
     With ``dot_out`` (``[cdiv(N, config.block_n), S]`` zeros in the accumulation dtype, so
     ``config`` must be given), also stores the partial row-wise dot products of the unscaled rows
