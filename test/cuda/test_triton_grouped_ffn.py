@@ -279,19 +279,12 @@ def _check_backward_ungated() -> None:
     _check_backward_activations(("gelu", "relu"))
 
 
-def _check_backward_routings_and_masks() -> None:
+def _check_backward_routings() -> None:
     patch_interpreter_bf16_dot()
     from torch_moe._triton import grouped_ffn as M
 
     cfgs = _configs()
     g = torch.Generator().manual_seed(3)
-    masks = (
-        [True, False, False, False, False],
-        [False, True, False, False, False],
-        [False, False, True, True, True],
-        [False, False, False, True, False],
-        [True, True, False, False, True],
-    )
     for kind, num_tokens, k in ROUTINGS:
         routing = _routing(kind, num_tokens, k, E, g)
         x = torch.randn(num_tokens, D_ODD, generator=g)
@@ -307,14 +300,33 @@ def _check_backward_routings_and_masks() -> None:
                         lambda *a: M.grouped_ffn_backward(*a, config=cfgs[config]),
                         _backward_args(args, hidden, grad, FULL_MASK), what,
                     )
-        # output_mask subsets (separate w1 / w3: grad_w3 is its own output), bf16
+
+
+def _check_backward_masks() -> None:
+    """output_mask subsets, with separate w1 / w3 (grad_w3 its own output), bf16."""
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(4)
+    masks = (
+        [True, False, False, False, False],
+        [False, True, False, False, False],
+        [False, False, True, True, True],
+        [False, False, False, True, False],
+        [True, True, False, False, True],
+    )
+    for kind, num_tokens, k in ROUTINGS:
+        routing = _routing(kind, num_tokens, k, E, g)
+        x = torch.randn(num_tokens, D_ODD, generator=g)
+        grad = torch.randn(num_tokens, D_ODD, generator=g)
         weights = _weights("swiglu", "separate", E, D_ODD, F_ODD, g)
         args = _cast(_forward_args(x, routing, weights, "swiglu"), torch.bfloat16)
         hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
         for mask in masks:
             with deterministic():
                 _compare_backward(
-                    lambda *a: M.grouped_ffn_backward(*a, config=cfgs["small"]),
+                    lambda *a: M.grouped_ffn_backward(*a, config=cfg),
                     _backward_args(args, hidden, grad.bfloat16(), mask),
                     f"backward {kind} T={num_tokens} mask={mask}",
                 )
@@ -500,8 +512,11 @@ class TestTritonGroupedFFN(TestCase):
     def test_backward_ungated_interpreted(self):
         self._run("_check_backward_ungated")
 
-    def test_backward_routings_and_masks_interpreted(self):
-        self._run("_check_backward_routings_and_masks")
+    def test_backward_routings_interpreted(self):
+        self._run("_check_backward_routings")
+
+    def test_backward_masks_interpreted(self):
+        self._run("_check_backward_masks")
 
     def test_fake_cuda(self):
         self._run("_check_fake_cuda", interpret=False)

@@ -423,7 +423,8 @@ def _token_index(sorted_ids: Tensor, num_tokens: int, top_k: int) -> Tensor:
 
 
 def _slot_weights(topk_weights: Tensor, sorted_ids: Tensor, token: Tensor) -> Tensor:
-    """``w_i`` per slot in the accumulation dtype of fp32 / fp64, zero for padding."""
+    """``w_i`` per slot (the dtype of topk_weights), zero for padding; the kernels apply it in
+    the accumulation dtype."""
     if topk_weights.numel() == 0:
         return torch.zeros(sorted_ids.size(0), device=sorted_ids.device)
     flat = topk_weights.reshape(-1)
@@ -463,8 +464,8 @@ def _rows_grid(S: int, E: int, F: int, cfg: GemmConfig):
 
 def _ffn_config(x: Tensor, S, F, D, E, two_accumulators: bool) -> GemmConfig:
     """The tiles of the FFN kernels: the table's rows-kernel pick for ``[S, F]`` outputs over a
-    contraction of D. Not autotuned: the backward's partial sums have one column per column
-    tile, and the forward is one launch per layer whose outputs are small next to its GEMMs."""
+    contraction of D. Not autotuned: the layout of the backward's partial sums (one column per
+    column tile) is chosen on the host from the config."""
     cfg = pick_config("rows", x.dtype, device_arch(x.device), S, F, D, E)
     if two_accumulators:
         # two accumulators and two weight tiles: half the columns keep registers and shared
