@@ -18,10 +18,12 @@ loaded as one vector per thread:
 * ``_weight_grad_kernel``: one value per assignment, ``grad_w[a] = <grad[a // k], y[slot[a]]>``,
   zero for an absent assignment (``unpermute_backward``).
 
-The combine and the weight gradient read the inverse map ``slot[a]`` (int32 ``[T * k]``, -1 for an
+The combine and the weight gradient read the inverse map ``slot[a]`` (``[T * k]``, -1 for an
 assignment that no slot holds: dropped by a capacity, or never routed), built by
 ``_inverse_map_kernel`` with one atomic exchange per slot. The exchange is also the duplicate check:
-an assignment written twice returns a previous writer instead of -1. That kernel counts, per
+an assignment written twice returns a previous writer instead of -1. It is the only atomic of
+these kernels, and for valid ids each entry is written once: the map, and so every output, is the
+same on every run (``torch.use_deterministic_algorithms`` asks no more). That kernel counts, per
 program, the ids out of ``[-1, T * k)`` and the duplicates; their sums are checked with
 :func:`torch_moe._compat.assert_async`, a device-side assertion that does not synchronise the host
 (on CPU tensors, under ``TRITON_INTERPRET=1``, it raises at once as the CPU op does). With
@@ -89,7 +91,8 @@ def _inverse_map_kernel(
 ):
     """``slot[ids[i]] = i`` for the ids in ``[0, num_assignments)``.
 
-    Shapes: ids ``[num_slots]`` int64; slot ``[num_assignments]`` int32, -1 on entry; errors
+    Shapes: ids ``[num_slots]`` int64; slot ``[num_assignments]`` int32 (int64 past 2**31 - 1
+    slots), -1 on entry; errors
     ``[2, num_programs]`` int32: per program, the ids out of ``[-1, num_assignments)`` (row 0) and
     the assignments found already written (row 1). grid = ``(cdiv(num_slots, BLOCK),)``.
     """
@@ -101,7 +104,9 @@ def _inverse_map_kernel(
     tl.device_assert(in_range, "sorted_ids out of [-1, top_k * num_tokens)")
     valid = slot_ok & (ids >= 0) & in_range
     # relaxed: each exchange only needs to be atomic; the kernel boundary orders it for readers
-    previous = tl.atomic_xchg(slot_ptr + ids, slots.to(tl.int32), mask=valid, sem="relaxed")
+    previous = tl.atomic_xchg(
+        slot_ptr + ids, slots.to(slot_ptr.dtype.element_ty), mask=valid, sem="relaxed"
+    )
     duplicate = valid & (previous != -1)
     tl.device_assert(~duplicate, "an assignment t * k + j occurs twice in sorted_ids")
     tl.store(errors_ptr + pid, tl.sum((slot_ok & ~in_range).to(tl.int32), 0))
@@ -161,7 +166,7 @@ def _gather_rows_kernel(
         # the CPU kernel scales by the weight rounded to the rows' dtype: the product of two
         # values of that dtype is exact in the accumulator, and rounded once below
         w = w.to(acc.dtype).to(out_ptr.dtype.element_ty).to(acc.dtype)
-        vals = acc + vals.to(acc.dtype) * w[:, None]
+        vals = vals.to(acc.dtype) * w[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_od
     tl.store(out_ptrs, vals.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -187,7 +192,7 @@ def _combine_rows_kernel(
 ):
     """One program: a ``[BLOCK_M, BLOCK_D]`` tile of ``out[t] = sum_j (w[t, j] *) src[slot]``.
 
-    Shapes: src ``[S, D]``; slot ``[num_tokens * top_k]`` int32 (-1: absent); weight
+    Shapes: src ``[S, D]``; slot ``[num_tokens * top_k]`` int32 or int64 (-1: absent); weight
     ``[num_tokens, top_k]`` (any float dtype) with ``HAS_WEIGHT``; out ``[num_tokens, D]``.
     grid = ``(cdiv(num_tokens, BLOCK_M) * cdiv(D, BLOCK_D),)``.
     """
@@ -235,8 +240,8 @@ def _weight_grad_kernel(
 ):
     """One program: ``out[a] = <grad[a // k], y[slot[a]]>`` for ``BLOCK_M`` assignments.
 
-    Shapes: grad ``[T, D]``; y ``[S, D]``; slot ``[num_assignments]`` int32 (-1: absent, which
-    gives 0); out ``[num_assignments]`` contiguous. grid = ``(cdiv(num_assignments, BLOCK_M),)``.
+    Shapes: grad ``[T, D]``; y ``[S, D]``; slot ``[num_assignments]`` int32 or int64 (-1: absent,
+    which gives 0); out ``[num_assignments]`` contiguous. grid = ``(cdiv(num_assignments, BLOCK_M),)``.
     """
     pid = tl.program_id(0)
     asg = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -297,14 +302,16 @@ def _default_config(D) -> RowConfig:
 
 
 def _inverse_slots(op: str, sorted_ids: Tensor, num_assignments, cfg: RowConfig) -> Tensor:
-    """``slot [num_assignments]`` int32: ``slot[a] = i`` where ``sorted_ids[i] == a``, else -1.
+    """``slot [num_assignments]``: ``slot[a] = i`` where ``sorted_ids[i] == a``, else -1; int32
+    (half the traffic of int64) unless there are more slots than an int32 counts.
 
     Also the value checks of the CPU kernel (``_check_index_range`` and
     ``_check_unique_assignments``), as device-side assertions: ids in ``[-1, num_assignments)``,
     each assignment at most once.
     """
-    slot = torch.full((num_assignments,), -1, dtype=torch.int32, device=sorted_ids.device)
     num_slots = sorted_ids.size(0)
+    index_dtype = torch.int32 if num_slots <= 2**31 - 1 else torch.int64
+    slot = torch.full((num_assignments,), -1, dtype=index_dtype, device=sorted_ids.device)
     if num_slots == 0:
         return slot
     programs = triton.cdiv(num_slots, cfg.block_slots)
