@@ -20,6 +20,7 @@
   against the CPU ops, forward and backward through autograd, and under ``torch.compile``.
 """
 
+import contextlib
 import re
 
 import torch
@@ -179,6 +180,18 @@ def _check_permute() -> None:
             res = _entry("permute.out", config)(_strided(x), _strided(sid), k, out=buf)
         assert res is None, what
         _assert_equal(buf, ops.permute(x, sid, k), f"permute.out {what}")
+
+        if dtype == torch.float32 and config is None:
+            # permute copies any dtype, as index_select does; fp8 against the CPU op on its
+            # bits (the CPU op cannot zero fp8 rows, nor can deterministic mode fill them)
+            for other in (torch.int32, torch.bool, torch.float8_e4m3fn):
+                xo = (torch.randn(T, D, generator=g) * 4).to(other)
+                fp8 = other == torch.float8_e4m3fn
+                with deterministic() if not fp8 else contextlib.nullcontext():
+                    out = _entry("permute", config)(xo, sid, k)
+                assert out.dtype == other, (what, other)
+                bits = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
+                _assert_equal(bits(out), ops.permute(bits(xo), sid, k), f"permute {what} {other}")
 
         grad = _with_nan_padding(torch.randn(S, D, generator=g).to(dtype), sid)
         for strided in (False, True):

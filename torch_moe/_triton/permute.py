@@ -406,7 +406,7 @@ def permute_out(
     ``TRITON_INTERPRET=1``).
 
     Args:
-        x: ``[T, D]``, any dtype and strides; sorted_ids: int64 ``[S]``, values in
+        x: ``[T, D]``, any dtype (float, integer, bool, fp8) and strides; sorted_ids: int64 ``[S]``, values in
             ``[-1, T * top_k)``, each assignment at most once (checked on the device).
         out: ``[S, D]`` of the dtype of x, any strides; written, nothing returned.
         config: tile sizes; by default chosen from D.
@@ -415,6 +415,9 @@ def permute_out(
     cfg = config if config is not None else _default_config(x.size(1))
     num_assignments = x.size(0) * top_k
     _inverse_slots("torch_moe.permute", sorted_ids, num_assignments, cfg)
+    if x.dtype.is_floating_point and x.dtype.itemsize == 1:
+        # fp8: the copy moves bits, and not every GPU has Triton's fp8 types (e4m3fn needs sm_89)
+        x, out = x.view(torch.uint8), out.view(torch.uint8)
     if out.numel():
         _launch_gather(x, sorted_ids, top_k, num_assignments, None, out, cfg)
 
