@@ -306,6 +306,29 @@ class TestNoHostSyncQuantized(TestCase):
             f"token_sort(..., align={GROUP_ALIGNMENT[recipe]}))", mode.asserts())
 
     @parametrize("recipe", RECIPES)
+    @parametrize("fused_w13", [True, False])
+    def test_quantized_expert_ffn_forward_backward(self, recipe, fused_w13):
+        # the whole quantized FFN: token sort with the recipe's alignment, permute, the three
+        # quantized GEMMs, the activation, unpermute, and their backward
+        from torch_moe.nn.functional import moe_ffn
+
+        with _fake_cuda() as mode:
+            T, D, F, E, k = 24, 64, 32, 4, 2
+            x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            ids = torch.randint(0, E, (T, k), device=DEVICE)
+            weights = torch.rand(T, k, device=DEVICE, requires_grad=True)
+            w1 = torch.randn(E, D, 2 * F if fused_w13 else F, device=DEVICE,
+                             dtype=torch.bfloat16, requires_grad=True)
+            w3 = None if fused_w13 else torch.randn_like(w1, requires_grad=True)
+            w2 = torch.randn(E, F, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            out = moe_ffn(x, ids, weights, w1, w2, w3, precision=recipe)
+            out.float().sum().backward()
+        self.assertEqual(out.shape, (T, D))
+        self.assertEqual(x.grad.shape, x.shape)
+        self.assertEqual(mode.calls["quantized_grouped_mm"], 2 if fused_w13 else 3)
+        self.assertGreater(mode.calls["token_sort"], 0)
+
+    @parametrize("recipe", RECIPES)
     def test_native_operands(self, recipe):
         # aten's scaled grouped GEMM (SM90 FP8 rowwise 2D x 3D, SM100 MXFP8) has no fake kernel
         # for CUDA in a CPU build of torch; check the layouts it is given and that everything
