@@ -7,7 +7,8 @@
   separate w1 / w3 and with a fused w13, ungated; bf16, fp16, fp32; routings with padding
   (``align=4``), empty experts, all tokens on one expert, no tokens, dropped assignments
   (``token_sort_with_capacity``); output_mask subsets; deterministic mode (which also NaN-fills
-  fresh memory, so a row a kernel fails to write shows).
+  fresh memory, so a row a kernel fails to write shows); sizes the tiles do not divide; fp64 for
+  some kinds; dropped tokens holding NaN and an empty expert holding Inf, which nothing may read.
 
   Tolerances: ``hidden`` is one rounding of an fp32 GEMM. ``out`` and the gradients go through
   16-bit intermediates (the activation output, ``dH``, the gathered rows), so for bf16 / fp16
@@ -15,7 +16,10 @@
   backward reference is given the kernel's own ``hidden`` (upcast), so a clamp of swiglu_oai
   takes the same side in both.
 * Tracing (no interpreter): the CUDA kernels of the public ops run on fake CUDA tensors and give
-  the fake kernels' shapes, dtypes and strides (nothing is launched).
+  the fake kernels' shapes, dtypes and strides (nothing is launched); AOT capture of the
+  triton_ops and of the public ops on CUDA tensors holds functional Triton kernel wrappers, and
+  the mutation analysis (with a stub sm_90 target) finds that each kernel writes its outputs
+  only.
 * :class:`TestTritonGroupedFFNDevice`: the same comparisons through the public ops at small
   realistic shapes, on a GPU only.
 """
@@ -332,6 +336,47 @@ def _check_backward_masks() -> None:
                 )
 
 
+def _check_dropped_reads_nothing() -> None:
+    """Padding and dropped assignments read no row: the tokens whose assignments are all dropped
+    (capacity 2 of 6, align 4) hold NaN in x and grad, the expert that gets nothing has Inf
+    weights; every output is finite and equals the CPU kernel on the same values."""
+    from torch_moe.nn.functional import token_sort_with_capacity
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(5)
+    n = 6
+    topk_ids = torch.zeros(n, 1, dtype=torch.int64)
+    # descending weights: tokens 2.. are dropped
+    topk_weights = torch.linspace(1.0, 0.5, n).view(n, 1)
+    sorted_ids, offs, _, _ = token_sort_with_capacity(topk_ids, topk_weights, 2, 2, 4)
+    assert (sorted_ids >= 2).sum() == 0 and (sorted_ids < 0).any(), sorted_ids
+    x = torch.randn(n, D, generator=g)
+    grad = torch.randn(n, D, generator=g)
+    x[2:] = float("nan")
+    grad[2:] = float("nan")
+    for activation, layout in (("swiglu", "separate"), ("geglu", "fused"), ("relu", "plain")):
+        w1, w2, w3 = _weights(activation, layout, 2, D, F, g)
+        for w in (w1, w2, w3):
+            if w is not None:
+                w[1] = float("inf")
+        args = [x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, ALPHA, LIMIT]
+        for in_order in (False, True):
+            with deterministic() if in_order else contextlib.nullcontext():
+                what = f"dropped {activation} det={in_order}"
+                out, hidden = M.grouped_ffn(*args, config=cfg)
+                ref_out, ref_hidden = torch.ops.torch_moe.grouped_ffn(*args)
+                for got, ref in ((out, ref_out), (hidden, ref_hidden)):
+                    assert torch.isfinite(ref).all() and torch.isfinite(got).all(), what
+                    assert_matches(got, ref, what)
+                bargs = _backward_args(args, ref_hidden, grad, FULL_MASK)
+                got = M.grouped_ffn_backward(*bargs, config=cfg)
+                ref = torch.ops.torch_moe.grouped_ffn_backward(*bargs)
+                for name, a, r in zip(("x", "topk", "w1", "w2", "w3"), got, ref):
+                    assert torch.isfinite(r).all() and torch.isfinite(a).all(), (what, name)
+                    assert_matches(a, r, f"{what}: grad_{name}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs in the subprocess (no interpreter)
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +562,9 @@ class TestTritonGroupedFFN(TestCase):
 
     def test_backward_masks_interpreted(self):
         self._run("_check_backward_masks")
+
+    def test_dropped_reads_nothing_interpreted(self):
+        self._run("_check_dropped_reads_nothing")
 
     def test_fake_cuda(self):
         self._run("_check_fake_cuda", interpret=False)
