@@ -10,7 +10,8 @@
   assignments); every ``output_mask``; strided operands; two tile configurations. Copies are
   compared bitwise, sums within one rounding (``assert_matches``). All of it runs in deterministic
   mode, which fills fresh outputs with NaN: a row the kernels fail to write shows.
-  Duplicate and out-of-range ids raise, as on CPU.
+  Duplicate and out-of-range ids raise, as on CPU, and trip the device asserts of
+  ``TRITON_DEBUG=1``.
 * Graph capture (no interpreter): the CUDA callables run on fake CUDA tensors with the fake
   kernels' shapes, dtypes and strides; the public ops, ``permute.out`` included (into a fresh
   buffer and into a mutated graph input), traced by AOTAutograd with fake CUDA inputs, become
@@ -276,13 +277,34 @@ def _check_invalid_ids_raise() -> None:
                    r"values in \[-1, 0\)", "permute T=0")
 
 
-def _assert_raises(call, pattern, what):
+def _assert_raises(call, pattern, what, error=RuntimeError):
     try:
         call()
-    except RuntimeError as e:
+    except error as e:
         assert re.search(pattern, str(e)), (what, str(e))
     else:
         raise AssertionError(f"{what}: no error")
+
+
+def _check_device_asserts() -> None:
+    """With ``TRITON_DEBUG=1`` the inverse-map kernel asserts on the device where it meets a bad
+    id. (The interpreter ignores ``TRITON_DEBUG``: the check turns on its debug option.)"""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    from torch_moe._triton import permute as P
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, debug=True)
+    x = torch.randn(5, D)
+    cases = [(torch.tensor([3, 1, -1, 0, 3, 2]), "occurs twice"),
+             (torch.tensor([3, 1, -1, 0, 10, 2]), r"out of \[-1, top_k \* num_tokens\)"),
+             (torch.tensor([3, -2, -1, 0, 4, 2]), r"out of \[-1, top_k \* num_tokens\)")]
+    for sid, pattern in cases:
+        _assert_raises(lambda: P.permute(x, sid, 2), pattern, f"device assert {sid}",
+                       error=interpreter.InterpreterError)
+    P.permute(x, torch.tensor([3, 1, -1, 0, 4, 2]), 2)  # valid ids pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +528,9 @@ class TestTritonPermute(TestCase):
 
     def test_invalid_ids_raise_interpreted(self):
         self._run("_check_invalid_ids_raise")
+
+    def test_device_asserts_interpreted(self):
+        self._run("_check_device_asserts")
 
     def test_fake_cuda(self):
         self._run("_check_fake_cuda", interpret=False)

@@ -241,7 +241,8 @@ def _weight_grad_kernel(
     """One program: ``out[a] = <grad[a // k], y[slot[a]]>`` for ``BLOCK_M`` assignments.
 
     Shapes: grad ``[T, D]``; y ``[S, D]``; slot ``[num_assignments]`` int32 or int64 (-1: absent,
-    which gives 0); out ``[num_assignments]`` contiguous. grid = ``(cdiv(num_assignments, BLOCK_M),)``.
+    which gives 0); out ``[num_assignments]`` contiguous.
+    grid = ``(cdiv(num_assignments, BLOCK_M),)``.
     """
     pid = tl.program_id(0)
     asg = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -406,8 +407,9 @@ def permute_out(
     ``TRITON_INTERPRET=1``).
 
     Args:
-        x: ``[T, D]``, any dtype (float, integer, bool, fp8) and strides; sorted_ids: int64 ``[S]``, values in
-            ``[-1, T * top_k)``, each assignment at most once (checked on the device).
+        x: ``[T, D]``, any dtype (float, integer, bool, fp8) and strides.
+        sorted_ids: int64 ``[S]``, any stride, values in ``[-1, T * top_k)``, each assignment at
+            most once (checked on the device).
         out: ``[S, D]`` of the dtype of x, any strides; written, nothing returned.
         config: tile sizes; by default chosen from D.
     """
