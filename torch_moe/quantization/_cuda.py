@@ -34,8 +34,10 @@ torch 2.13):
 
 Which path runs is decided by :func:`native_kernel_supported` (device and recipe) and
 :func:`native_shapes_supported` (shapes); everything else goes to
-:func:`scaled_grouped_mm_emulated_triton` (fp32 dequantization and the Triton grouped GEMM of
-:mod:`torch_moe._triton`), or without triton to :func:`scaled_grouped_mm_emulated_bf16`.
+:func:`scaled_grouped_mm_emulated_triton` (exact dequantization, to bf16 for a bf16 output,
+and the Triton grouped GEMM of :mod:`torch_moe._triton`), or without triton to
+:func:`scaled_grouped_mm_emulated_bf16`. On an H100 / H200 that is MXFP8 and the FP8 rowwise
+weight gradient; on a B200 FP8 rowwise. None of it reads a tensor value on the host.
 """
 
 import functools
