@@ -391,7 +391,7 @@ def _check_graph_capture() -> None:
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 
-    from torch_moe._triton import CUDA_KERNEL_MODULES, permute as P
+    from torch_moe._triton import permute as P
 
     _no_launch()
     triton.runtime.driver.set_active(_Sm90Driver())
@@ -424,11 +424,9 @@ def _check_graph_capture() -> None:
             )
 
     del i["mode"]
-    # permute.out: the public op (where it is registered: the FunctionalTensorMode rule calls
-    # the module's callable in its place) and that callable itself
-    out_ops = {"callable": P.KERNELS["permute.out"]}
-    if "permute.out" in CUDA_KERNEL_MODULES:
-        out_ops["op"] = ops.permute.out
+    # permute.out: the public op (the FunctionalTensorMode rule calls the module's callable in
+    # its place) and that callable itself
+    out_ops = {"callable": P.KERNELS["permute.out"], "op": ops.permute.out}
     cases = [("all", All(), (i["x"], i["sid"], i["w"], i["grad"], i["y"]))]
     for how, op in out_ops.items():
         cases += [
