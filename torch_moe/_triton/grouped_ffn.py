@@ -53,8 +53,21 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
-from torch_moe._triton._configs import _block, device_arch, GemmConfig, pick_config
-from torch_moe._triton.grouped_mm import _acc_zeros, _input_precision, _launch_k_rows, _launch_rows
+from torch_moe._triton._configs import (
+    _block,
+    autotune_candidates,
+    device_arch,
+    GemmConfig,
+    pick_config,
+    shared_memory_bytes,
+)
+from torch_moe._triton.grouped_mm import (
+    _acc_zeros,
+    _input_precision,
+    _launch,
+    _launch_k_rows,
+    _launch_rows,
+)
 
 __all__ = ["KERNELS", "grouped_ffn", "grouped_ffn_backward"]
 
@@ -458,14 +471,32 @@ def _scatter_rows_sum(
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
+def _up_candidates(table: GemmConfig, x: Tensor, F, gated: bool) -> list[GemmConfig]:
+    """The autotuning candidates of the up kernel around the table's pick: those of
+    grouped_mm's rows kernel whose stages fit in shared memory with a second weight tile (the up
+    projection) when gated."""
+    arch = device_arch(x.device)
+    candidates = autotune_candidates(table, x.dtype, arch, None, F)
+    if not gated:
+        return candidates
+    limit = shared_memory_bytes(arch)
+
+    def stage_bytes(c: GemmConfig) -> int:
+        return (c.block_m * c.block_k + 2 * c.block_k * c.block_n) * x.dtype.itemsize
+
+    fitting = [c for c in candidates if c.num_stages * stage_bytes(c) <= limit]
+    return fitting or [table]
+
+
 def _rows_grid(S: int, E: int, F: int, cfg: GemmConfig):
     return ((triton.cdiv(S, cfg.block_m) + E) * triton.cdiv(F, cfg.block_n),)
 
 
 def _ffn_config(x: Tensor, S, F, D, E, two_accumulators: bool) -> GemmConfig:
     """The tiles of the FFN kernels: the table's rows-kernel pick for ``[S, F]`` outputs over a
-    contraction of D. Not autotuned: the layout of the backward's partial sums (one column per
-    column tile) is chosen on the host from the config."""
+    contraction of D. The backward's kernel keeps it (the layout of its partial sums, one column
+    per column tile, is chosen on the host from the config); the forward's is autotuned around
+    it."""
     cfg = pick_config("rows", x.dtype, device_arch(x.device), S, F, D, E)
     if two_accumulators:
         # two accumulators and two weight tiles: half the columns keep registers and shared
@@ -507,10 +538,10 @@ def grouped_ffn(
     hidden = x.new_empty((S, 2 * F if gated else F))
     act = x.new_empty((S, F))
     if S > 0 and F > 0:
-        cfg = config if config is not None else _ffn_config(x, S, F, D, E, gated)
+        table = config if config is not None else _ffn_config(x, S, F, D, E, gated)
         # a fused w13 holds the up projection in its columns F..2F
         w_up, up_col = (w3, 0) if w3 is not None else (w1, F)
-        wrap_triton(_ffn_up_kernel)[_rows_grid(S, E, F, cfg)](
+        args = (
             x, w1, w_up, offs, sorted_ids, hidden, act,
             float(alpha), float(limit),
             S, T, k, F, D, E, up_col,
@@ -519,17 +550,23 @@ def grouped_ffn(
             w_up.stride(0), w_up.stride(1), w_up.stride(2),
             hidden.stride(0), hidden.stride(1),
             act.stride(0), act.stride(1),
+        )
+        flags = dict(
             GATED=gated,
             ACTIVATION=_ACTIVATION_CODES[activation],
             INPUT_PRECISION=_input_precision(x.dtype),
-            EVEN_K=bool(D % cfg.block_k == 0),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
+            # the candidates share the table's BLOCK_K
+            EVEN_K=bool(D % table.block_k == 0),
             BLOCK_E=_block(E + 1, 2, 2 ** 30),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
         )
+
+        def grid(block_m, block_n):
+            return (triton.cdiv(S, block_m) + E) * triton.cdiv(F, block_n)
+
+        # autotuned where no config is given: the kernel only writes its outputs, so measured
+        # runs need no reset
+        candidates = None if config is not None else _up_candidates(table, x, F, gated)
+        _launch(_ffn_up_kernel, grid, args, flags, config, candidates, ("F", "K", "num_groups"))
     token = _token_index(sorted_ids, T, k)
     scale = _slot_weights(topk_weights, sorted_ids, token)
     out = _scatter_rows_sum([(act, w2)], offs, token, scale, T, D, x.dtype, config)
