@@ -67,6 +67,7 @@ from torch_moe._triton.grouped_mm import (
     _launch,
     _launch_k_rows,
     _launch_rows,
+    _rows_table_config,
 )
 
 __all__ = ["KERNELS", "grouped_ffn", "grouped_ffn_backward"]
@@ -466,8 +467,13 @@ def _scatter_rows_sum(
             rows.masked_fill_((token < 0).unsqueeze(1), 0)
             acc.index_add_(0, token.clamp(min=0), rows)
     elif S > 0 and acc.numel():
-        for a, w in terms:
-            _launch_rows(a, w, offs, None, token, scale, acc, S, config)
+        for n, (a, w) in enumerate(terms):
+            # An autotuned scattered launch zeroes its output between its measured runs, which
+            # would erase the terms added before it: only the first term may autotune.
+            cfg = config
+            if cfg is None and n > 0:
+                cfg = _rows_table_config(a, S, w.size(2), w.size(1), w.size(0))
+            _launch_rows(a, w, offs, None, token, scale, acc, S, cfg)
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
