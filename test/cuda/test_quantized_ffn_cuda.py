@@ -161,6 +161,24 @@ def _check_scaled_grouped_mm() -> None:
                     tol = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}
                     torch.testing.assert_close(got, want, rtol=tol[out_dtype], atol=1e-3,
                                                msg=what)
+    # FP8 rowwise scales applied to the result: a non-finite row (NaN scale) inside a group is
+    # NaN, one past offs[-1] stays zero; an empty group's NaN scales give zeros
+    offs = _ends([16, 0, 16])
+    x = _randn((48, 64), torch.bfloat16, 10)
+    x[3, 5], x[40, 7] = float("inf"), float("nan")
+    a, sa = ops.quantize_fp8_rowwise(x, 1)
+    bt, sbt = ops.quantize_fp8_rowwise(_randn((3, 64, 32), torch.bfloat16, 11).transpose(1, 2), 2)
+    xt, sx = ops.quantize_fp8_rowwise(x.t(), 1, offs)
+    gt, sg = ops.quantize_fp8_rowwise(_randn((48, 32), torch.bfloat16, 12).t(), 1, offs)
+    sx[:, 1], sg[:, 1] = float("nan"), float("nan")
+    for args in ((a, bt.transpose(1, 2), sa, sbt.transpose(1, 2)), (xt, gt.t(), sx, sg.t())):
+        got = _cuda.scaled_grouped_mm_emulated_triton(*args, offs, "fp8_rowwise", torch.bfloat16)
+        want = ops.scaled_grouped_mm(*args, offs, torch.bfloat16)
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3, equal_nan=True)
+        if args[1].dim() == 3:
+            assert got[3].isnan().all() and not got[32:].any()
+        else:
+            assert got[0].isnan().any() and not got[1].any()
 
 
 class _CudaKernelsOnCpu(TorchDispatchMode):

@@ -413,13 +413,35 @@ def scaled_grouped_mm_emulated_triton(
     For a bf16 output the operands are dequantized to bf16, exact as explained in
     :func:`scaled_grouped_mm_emulated_bf16`: half the bytes of fp32, and a bf16 GEMM runs on the
     tensor cores, where an fp32 one without TF32 does not. fp16 and fp32 outputs dequantize to
-    fp32 (fp16 cannot hold the scales' range)."""
+    fp32 (fp16 cannot hold the scales' range). FP8 rowwise scales that are constant along the
+    contraction (the token rows' in 2D x 3D, both in 2D x 2D) are applied to the result instead:
+    the GEMM reads the E4M3 values cast as they are, and multiplying the once-rounded result by
+    a power of two is exact (outside bf16's subnormal range, as above)."""
     from torch_moe._triton import cuda_kernel
 
     triton_grouped_mm = cuda_kernel("grouped_mm")  # the Triton kernel, a triton_op
     dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    a, b = _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, dtype)
-    out = triton_grouped_mm(a, b, offs)
+    if recipe == "mxfp8":
+        a, b = _dequantize_operands(recipe, mat_a, mat_b, scale_a, scale_b, offs, dtype)
+        out = triton_grouped_mm(a, b, offs)
+    elif mat_b.dim() == 3:
+        # A's scale is one per row: it factors out of the contraction, so the GEMM takes A's
+        # E4M3 values as they are (exact in bf16; no dequantized copy of the tokens) and the
+        # result is scaled by rows, a power of two (exact). Rows past offs[-1] stay zero
+        # whatever their scale (a NaN one included).
+        b = ops.dequantize_fp8_rowwise(mat_b, scale_b, 1, out_dtype=dtype)
+        out = triton_grouped_mm(mat_a.to(dtype), b, offs)
+        rows = torch.arange(out.size(0), device=out.device, dtype=offs.dtype)
+        in_groups = (rows < offs.select(0, -1)).unsqueeze(1)
+        out = torch.where(in_groups, out * scale_a.to(out.dtype), 0)
+    else:
+        # Both scales are one per group and row of the output (scale_a [K, G], scale_b
+        # [G, N]): dW[g] = diag(scale_a[:, g]) (a_g @ b_g) diag(scale_b[g]) on the E4M3 values
+        # as they are; empty groups stay zero whatever their scales.
+        out = triton_grouped_mm(mat_a.to(dtype), mat_b.to(dtype), offs)
+        factor = scale_a.t().unsqueeze(2) * scale_b.unsqueeze(1)  # [G, K, N], powers of two
+        empty = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).view(-1, 1, 1)
+        out = torch.where(empty, 0, out * factor.to(out.dtype))
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
