@@ -40,6 +40,7 @@ SHORT_FORMS = {
     "python benchmarks/ops.py": "python benchmarks/ops.py --quick",
     "python benchmarks/moe_layer.py": "python benchmarks/moe_layer.py --quick",
     "python tools/import_graph.py": "python tools/import_graph.py",
+    "python benchmarks/gpu.py": "python benchmarks/gpu.py --quick",
 }
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
