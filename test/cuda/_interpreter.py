@@ -24,6 +24,8 @@ __all__ = [
     "patch_interpreter_bf16_dot",
     "deterministic",
     "assert_matches",
+    "sm90_target",
+    "use_sm90_target",
 ]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -108,3 +110,29 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
         torch.testing.assert_close(actual, expected.double(), rtol=1e-12, atol=1e-12, msg=what)
     else:
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=what)
+
+
+def sm90_target():
+    """Triton's compilation target of an H100 / H200."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+def use_sm90_target() -> None:
+    """Makes the Triton frontend target sm_90 on a machine with no GPU (for the rest of the
+    process): torch's mutation analysis of a ``wrap_triton`` kernel builds its TTIR, and
+    ``triton.compile`` builds PTX, both of which need a target."""
+    import triton
+
+    class _Sm90Driver:
+        def get_current_target(self):
+            return sm90_target()
+
+        def get_active_torch_device(self):
+            return torch.device("cuda", 0)
+
+        def is_active(self):
+            return True
+
+    triton.runtime.driver.set_active(_Sm90Driver())

@@ -36,6 +36,7 @@ from _interpreter import (
     patch_interpreter_bf16_dot,
     requires_triton,
     run_check,
+    use_sm90_target,
 )
 
 GATED = ("swiglu", "geglu", "swiglu_oai")
@@ -435,11 +436,9 @@ def _check_graph_capture() -> None:
     """The triton_ops, and the public ops on CUDA tensors, decompose into functional Triton kernel
     wrappers under AOT capture (what Inductor compiles as user-defined kernels), and the mutation
     analysis finds that the FFN kernels write their outputs only."""
-    import triton
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from triton.backends.compiler import GPUTarget
 
     from torch_moe._triton import grouped_ffn as M
 
@@ -500,17 +499,7 @@ def _check_graph_capture() -> None:
         assert not any(str(f).startswith("torch_moe.") for f in found), (name, found)
 
     # with a GPU target for the Triton frontend, the mutation analysis runs for real
-    class _Sm90Driver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cuda", 0)
-
-        def is_active(self):
-            return True
-
-    triton.runtime.driver.set_active(_Sm90Driver())
+    use_sm90_target()
     # what each kernel writes: the up kernel, the backward's dA kernel (every output requested),
     # grouped_mm's kernels
     written = {

@@ -41,6 +41,7 @@ from _interpreter import (
     patch_interpreter_bf16_dot,
     requires_triton,
     run_check,
+    use_sm90_target,
 )
 
 # sizes shared by the checks: K, N, E, and offs with an empty group and a tail
@@ -418,19 +419,7 @@ def _check_graph_capture() -> None:
 
     # 2. With a GPU target for the Triton frontend, the analysis must find that the kernels
     # write their output only (anything else would make Inductor clone inputs).
-    from triton.backends.compiler import GPUTarget
-
-    class _Sm90Driver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cuda", 0)
-
-        def is_active(self):
-            return True
-
-    triton.runtime.driver.set_active(_Sm90Driver())
+    use_sm90_target()
     for name, module in triton_ops.items():
         gm = capture(module, cpu[name])
         (node,) = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]

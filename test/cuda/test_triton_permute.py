@@ -32,7 +32,14 @@ from torch.testing._internal.common_device_type import (
 )
 from torch.testing._internal.common_utils import TestCase, parametrize, run_tests
 
-from _interpreter import assert_matches, deterministic, requires_triton, run_check
+from _interpreter import (
+    assert_matches,
+    deterministic,
+    requires_triton,
+    run_check,
+    sm90_target,
+    use_sm90_target,
+)
 
 import torch_moe  # noqa: F401  (registers the ops)
 
@@ -370,31 +377,14 @@ def _check_fake_cuda() -> None:
                 same(a, b, f"unpermute_backward {mask}")
 
 
-class _Sm90Driver:
-    """Names an sm_90 target for the Triton frontend (torch's mutation analysis builds TTIR,
-    ``triton.compile`` builds PTX), on a machine with no GPU."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cuda", 0)
-
-    def is_active(self):
-        return True
-
-
 def _check_graph_capture() -> None:
-    import triton
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 
     from torch_moe._triton import permute as P
 
     _no_launch()
-    triton.runtime.driver.set_active(_Sm90Driver())
+    use_sm90_target()
     i = _fake_cuda_inputs()
     k = i["k"]
 
@@ -456,7 +446,7 @@ def _check_compiles_for_sm90() -> None:
 
     from torch_moe._triton import permute as P
 
-    target = _Sm90Driver().get_current_target()
+    target = sm90_target()
 
     def compile_(kernel, types, constexprs):
         names = list(types)

@@ -20,7 +20,7 @@ import torch
 from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import TestCase, parametrize, run_tests
 
-from _interpreter import deterministic, requires_triton, run_check
+from _interpreter import deterministic, requires_triton, run_check, use_sm90_target
 
 import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
 
@@ -124,7 +124,6 @@ def _check_out_of_range_raises() -> None:
 
 
 def _check_fake_cuda() -> None:
-    import triton
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -169,19 +168,7 @@ def _check_fake_cuda() -> None:
     # 3. With a GPU target for the Triton frontend (a stub driver), the mutation analysis must
     # find that the kernels write their buffers only: a write of the ids would make Inductor
     # clone them.
-    from triton.backends.compiler import GPUTarget
-
-    class _Sm90Driver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cuda", 0)
-
-        def is_active(self):
-            return True
-
-    triton.runtime.driver.set_active(_Sm90Driver())
+    use_sm90_target()
     gm = aot_export_module(Sort(), (ids,), trace_joint=False)[0]
     clones = sorted(
         tuple(n.kwargs["tensors_to_clone"])
