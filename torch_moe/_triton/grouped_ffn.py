@@ -67,6 +67,7 @@ from torch_moe._triton.grouped_mm import (
     _launch,
     _launch_k_rows,
     _launch_rows,
+    _row_tile,
     _rows_table_config,
 )
 
@@ -192,29 +193,13 @@ def _ffn_up_kernel(
     col_ok = cols < F
     cols = cols.to(tl.int64)
 
-    # The segment of this row tile, as in grouped_mm's rows kernel (inline for the same reason:
-    # torch.compile's mutation analysis).
+    # The segment of this row tile, as in grouped_mm's rows kernel (the tail's rows are zeros).
     segs = tl.arange(0, BLOCK_E)
-    in_groups = segs < num_groups
-    ends = tl.load(offs_ptr + segs, mask=in_groups, other=0)
+    ends = tl.load(offs_ptr + segs, mask=segs < num_groups, other=0)
     starts = tl.load(offs_ptr + segs - 1, mask=(segs > 0) & (segs <= num_groups), other=0)
-    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
-    tl.device_assert(ends <= num_rows, "offs[-1] must not exceed the number of slots")
-    ends = tl.where(in_groups, ends, num_rows)
-    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
-    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
-    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
-    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(seg_tiles, 0)
-    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
-    pick = segs == seg
-    first_row = tl.sum(tl.where(pick, starts, 0), 0)
-    end_row = tl.sum(tl.where(pick, ends, 0), 0)
-    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
-
-    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < end_row
-    rows = rows.to(tl.int64)
+    seg, first_row, end_row, rows, row_ok = _row_tile(
+        starts, ends, tile, num_rows, num_groups, True, BLOCK_M, BLOCK_E
+    )
     is_group = seg < num_groups
 
     # the token row of each slot; padding, the tail and invalid ids read nothing
@@ -335,26 +320,11 @@ def _ffn_down_backward_kernel(
     cols = cols.to(tl.int64)
 
     segs = tl.arange(0, BLOCK_E)
-    in_groups = segs < num_groups
-    ends = tl.load(offs_ptr + segs, mask=in_groups, other=0)
+    ends = tl.load(offs_ptr + segs, mask=segs < num_groups, other=0)
     starts = tl.load(offs_ptr + segs - 1, mask=(segs > 0) & (segs <= num_groups), other=0)
-    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
-    tl.device_assert(ends <= num_rows, "offs[-1] must not exceed the number of slots")
-    ends = tl.where(in_groups, ends, num_rows)
-    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
-    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
-    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
-    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(seg_tiles, 0)
-    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
-    pick = segs == seg
-    first_row = tl.sum(tl.where(pick, starts, 0), 0)
-    end_row = tl.sum(tl.where(pick, ends, 0), 0)
-    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
-
-    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < end_row
-    rows = rows.to(tl.int64)
+    seg, first_row, end_row, rows, row_ok = _row_tile(
+        starts, ends, tile, num_rows, num_groups, True, BLOCK_M, BLOCK_E
+    )
     is_group = seg < num_groups
 
     ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1)

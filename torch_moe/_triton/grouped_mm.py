@@ -97,6 +97,47 @@ def _acc_zeros(x_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(starts, ends, tile, num_rows, num_groups, HAS_TAIL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The rows of row tile ``tile`` of a launch over ``num_rows`` slots split by offs.
+
+    ``starts`` / ``ends`` ``[BLOCK_E]``: ``offs[g - 1]`` / ``offs[g]`` for the groups
+    ``g < num_groups`` (anything past them). Segments ``0 .. num_groups - 1`` are the groups and,
+    with ``HAS_TAIL``, segment ``num_groups`` is the tail ``[offs[-1], num_rows)``; each is cut into
+    tiles of ``BLOCK_M`` rows, so a tile never straddles two segments. Offsets are clamped to
+    ``[0, num_rows]``, so invalid ones cannot address rows out of bounds.
+
+    Returns ``(seg, first_row, end_row, rows [BLOCK_M] int64, row_ok [BLOCK_M])``: the tile's
+    segment (``num_groups`` for the tail, ``BLOCK_E`` past the last tile, whose rows are empty),
+    its segment's bounds, and the tile's rows with the mask of those inside the segment.
+    """
+    segs = tl.arange(0, BLOCK_E)
+    in_groups = segs < num_groups
+    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
+    tl.device_assert((ends <= num_rows) | (segs >= num_groups),
+                     "offs[-1] must not exceed the number of rows")
+    if HAS_TAIL:
+        ends = tl.where(in_groups, ends, num_rows)
+    else:
+        ends = tl.where(in_groups, ends, 0)
+    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
+    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
+    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
+    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(seg_tiles, 0)
+    # Empty segments end where their predecessor does, so they are counted and skipped here; past
+    # the last tile, seg is BLOCK_E and the rows are empty.
+    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    pick = segs == seg
+    first_row = tl.sum(tl.where(pick, starts, 0), 0)
+    end_row = tl.sum(tl.where(pick, ends, 0), 0)
+    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
+    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end_row
+    return seg, first_row, end_row, rows.to(tl.int64), row_ok
+
+
+@triton.jit
 def _grouped_mm_rows_kernel(
     x_ptr,
     w_ptr,
@@ -161,32 +202,14 @@ def _grouped_mm_rows_kernel(
 
     # The segment of this row tile: segments 0 .. num_groups - 1 are the groups, segment
     # num_groups the tail past offs[-1], empty when the output is scattered (nothing to zero).
-    # (Inline rather than a helper: torch.compile's mutation analysis takes every argument of a
-    # called helper as a source of the store address, and would take offs for an output.)
+    # (The bounds are loaded here and the helper takes their values: torch.compile's mutation
+    # analysis takes every pointer argument of a called helper as a possible store target.)
     segs = tl.arange(0, BLOCK_E)
-    in_groups = segs < num_groups
-    ends = tl.load(offs_ptr + segs, mask=in_groups, other=0)
+    ends = tl.load(offs_ptr + segs, mask=segs < num_groups, other=0)
     starts = tl.load(offs_ptr + segs - 1, mask=(segs > 0) & (segs <= num_groups), other=0)
-    tl.device_assert((starts <= ends) | (segs >= num_groups), "offs must be non-decreasing")
-    tl.device_assert(ends <= num_rows, "offs[-1] must not exceed the number of rows")
-    ends = tl.where(in_groups, ends, 0 if HAS_SCATTER else num_rows)
-    # clamped so that invalid offsets cannot address rows out of bounds
-    starts = tl.minimum(tl.maximum(starts, 0), num_rows)
-    ends = tl.minimum(tl.maximum(ends, 0), num_rows)
-    sizes = tl.where(segs <= num_groups, tl.maximum(ends - starts, 0), 0)
-    seg_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(seg_tiles, 0)
-    # Empty segments end where their predecessor does, so they are counted and skipped here; past
-    # the last tile, seg is BLOCK_E and the rows are empty.
-    seg = tl.sum((tiles_end <= tile).to(tl.int32), 0)
-    pick = segs == seg
-    first_row = tl.sum(tl.where(pick, starts, 0), 0)
-    end_row = tl.sum(tl.where(pick, ends, 0), 0)
-    first_tile = tl.sum(tl.where(pick, tiles_end - seg_tiles, 0), 0)
-
-    rows = first_row + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < end_row
-    rows = rows.to(tl.int64)
+    seg, first_row, end_row, rows, row_ok = _row_tile(
+        starts, ends, tile, num_rows, num_groups, not HAS_SCATTER, BLOCK_M, BLOCK_E
+    )
 
     if HAS_GATHER:
         src = tl.load(gather_ptr + rows, mask=row_ok, other=-1)
