@@ -1,7 +1,7 @@
 """The GPU check of torch_moe: one script, one JSON, a fixed wall-clock budget.
 
-A GPU session runs it once (``python benchmarks/gpu.py``, under 8 minutes with the default
-``--budget-s 420``) and quotes the JSON. Sections, in this order:
+Run it once on a GPU machine (``python benchmarks/gpu.py``, under 8 minutes with the default
+``--budget-s 420``); the JSON is the record of the run. Sections, in this order:
 
 * ``tests``  -- the device tests of ``test/cuda`` (the classes ``instantiate_device_type_tests``
   makes, whose names end in ``CUDA``) in a pytest subprocess with a time cap: counts and the
