@@ -221,6 +221,13 @@ def _check_fp8_rowwise_grouped() -> None:
         offs = torch.tensor([16, 16, 40, 41], dtype=torch.int32)
         _compare_rowwise(x.t(), 0, "grouped boundary columns", offs)
         _compare_rowwise(x, 1, "grouped boundary rows", offs)
+    # offs as a strided view (every second element of a longer tensor): read by its strides
+    x = _random_matrix((48, 8), torch.float32, 14)
+    for ends in cases[:2]:
+        spaced = torch.tensor(ends, dtype=torch.int32).repeat_interleave(2)
+        spaced[1::2] = 47  # the elements between must not be read
+        _compare_rowwise(x, 0, "grouped, strided offs", spaced[::2])
+        _compare_rowwise(x.t(), 1, "grouped, transposed view, strided offs", spaced[::2])
     # long groups: the amax pass and the quantize pass loop
     x = _random_matrix((3, 2100), torch.bfloat16, 13)
     _compare_rowwise(x, 1, "long groups", torch.tensor([1000, 2048], dtype=torch.int32))

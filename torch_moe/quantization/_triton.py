@@ -489,8 +489,8 @@ def fp8_rowwise_quantize(
         x: bf16 / fp16 / fp32 ``[..., K, ...]`` on any device Triton runs on, strides as for
             :func:`mxfp8_quantize` (a transposed view gives its transposed copy).
         dim: the reduced dim.
-        offs: optional int32 ``[G]`` cumulative group ends along ``dim``: one scale per group
-            (its values are checked with a device assert and read on the device only).
+        offs: optional int32 ``[G]`` cumulative group ends along ``dim``, any stride: one scale
+            per group (its values are checked with a device assert and read on the device only).
 
     Returns:
         ``data`` (``float8_e4m3fn``, ``x``'s shape) and ``scale`` (fp32 powers of two,
@@ -499,6 +499,8 @@ def fp8_rowwise_quantize(
     d, G = _quantize.check_quantize_fp8_rowwise(x, dim, offs)
     if offs is not None:
         C.check_group_offsets("torch_moe.quantize_fp8_rowwise", offs, x.size(d))
+        # the kernel reads offs[g] at offs_ptr + g
+        offs = offs.contiguous()
     launch = _rowwise_launch(x, d, None if offs is None else G)
     if launch is None:
         return _quantize.quantize_fp8_rowwise(x, d, offs)
