@@ -24,6 +24,7 @@ Shapes are tiny: the interpreter runs every program in Python.
 
 import contextlib
 import itertools
+import re
 
 import torch
 import torch_moe  # noqa: F401  (registers the ops)
@@ -316,6 +317,123 @@ def _check_indexed_grouped_mm_backward() -> None:
         run(args, "default", in_order, "T = 0")
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D) as a view with stride 2, the column of a 2-D tensor."""
+    wide = torch.full((t.size(0), 2), 7, dtype=t.dtype)
+    wide[:, 0] = t
+    return wide[:, 0]
+
+
+def _check_strided_1d_operands() -> None:
+    """``offs``, the indices and the scales as strided views (stride 2) give the results of
+    their contiguous copies, forward and backward, in both kernels."""
+    from torch_moe._triton import grouped_mm as T
+
+    cfg = _configs()
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    S, R, T_out = 44, 40, 21
+    gather = torch.randint(0, R, (S,), generator=g)
+    gather[[3, 20]] = -1
+    scatter = torch.randint(0, T_out, (S,), generator=g)
+    scatter[[0, 15]] = -1
+    scale = torch.rand(S, generator=g)
+    x = torch.randn(R, K, generator=g)
+    w = torch.randn(E, K, N, generator=g)
+    a2 = torch.randn(40, 24, generator=g)
+    with deterministic():
+        out = T.grouped_mm(x, w, _strided(offs), config=cfg["small"])
+        assert_matches(out, torch.ops.torch_moe.grouped_mm(x, w, offs), "grouped_mm 2D x 3D")
+        out = T.grouped_mm(a2.t(), x, _strided(offs), config=cfg["small"])
+        ref = torch.ops.torch_moe.grouped_mm(a2.t(), x, offs)
+        assert_matches(out, ref, "grouped_mm 2D x 2D")
+    for in_order in (False, True):
+        args = (x, w, offs, gather, scatter, scale, T_out)
+        strided = (x, w, _strided(offs), _strided(gather), _strided(scatter), _strided(scale),
+                   T_out)
+        with deterministic() if in_order else contextlib.nullcontext():
+            out = T.indexed_grouped_mm(*strided, config=cfg["small"])
+            assert_matches(out, torch.ops.torch_moe.indexed_grouped_mm(*args),
+                           f"indexed_grouped_mm deterministic={in_order}")
+            out = T.indexed_grouped_mm(x, w, _strided(offs), _strided(gather), None,
+                                       _strided(scale), -1, config=cfg["small"])
+            ref = torch.ops.torch_moe.indexed_grouped_mm(x, w, offs, gather, None, scale, -1)
+            assert_matches(out, ref, f"indexed_grouped_mm unscattered deterministic={in_order}")
+            grad = torch.randn(T_out, N, generator=g)
+            mask = [True, True, True]
+            out = T.indexed_grouped_mm_backward(grad, *strided[:-1], mask, config=cfg["small"])
+            ref = torch.ops.torch_moe.indexed_grouped_mm_backward(grad, *args[:-1], mask)
+            for o, r, name in zip(out, ref, ("grad_input", "grad_weight", "grad_scale")):
+                assert_matches(o, r, f"indexed_grouped_mm_backward {name} {in_order=}")
+
+
+def _check_invalid_values_raise() -> None:
+    """The value checks of the CPU kernels: decreasing or negative offs, offs[-1] past the
+    split dimension, indices outside [-1, bound), forward and backward (assert_async raises at
+    once on CPU tensors)."""
+    from torch_moe._triton import grouped_mm as T
+
+    g = torch.Generator().manual_seed(0)
+    S, R, T_out = 10, 8, 5
+    x = torch.randn(R, K, generator=g)
+    x_slots = torch.randn(S, K, generator=g)
+    w = torch.randn(E, K, N, generator=g)
+    grad = torch.randn(T_out, N, generator=g)
+    gather = torch.randint(0, R, (S,), generator=g)
+    scatter = torch.randint(0, T_out, (S,), generator=g)
+    good = torch.tensor((3, 3, 8), dtype=torch.int32)
+    bad_offs = {
+        "non-decreasing and non-negative": [(4, 3, 8), (-1, 3, 8)],
+        r"offs\[-1\] <=": [(3, 3, 11)],
+    }
+    mask = [True, True, True]
+
+    def expect(message, fn, what):
+        try:
+            fn()
+        except RuntimeError as e:
+            assert re.search(message, str(e)), (what, str(e))
+        else:
+            raise AssertionError(f"{what}: no error")
+
+    for message, values in bad_offs.items():
+        for v in values:
+            offs = torch.tensor(v, dtype=torch.int32)
+            expect(message, lambda: T.grouped_mm(x_slots, w, offs), f"grouped_mm 2D x 3D {v}")
+            expect(message, lambda: T.grouped_mm(x_slots.t(), x_slots, offs), f"2D x 2D {v}")
+            expect(message, lambda: T.grouped_mm(w.transpose(1, 2), x_slots.t(), offs),
+                   f"3D x 2D {v}")
+            expect(message, lambda: T.indexed_grouped_mm(x, w, offs, gather), f"indexed {v}")
+            expect(message, lambda: T.indexed_grouped_mm_backward(
+                grad, x, w, offs, gather, scatter, None, mask), f"backward {v}")
+    for bad in (-2, R):
+        gi = gather.clone()
+        gi[4] = bad
+        expect(r"gather_index values in \[-1, 8\)",
+               lambda: T.indexed_grouped_mm(x, w, good, gi, scatter, None, T_out),
+               f"gather {bad}")
+        expect(r"gather_index values in \[-1, 8\)",
+               lambda: T.indexed_grouped_mm_backward(grad, x, w, good, gi, scatter, None, mask),
+               f"backward gather {bad}")
+    for bad in (-2, T_out):
+        si = scatter.clone()
+        si[4] = bad
+        expect(r"scatter_index values in \[-1, 5\)",
+               lambda: T.indexed_grouped_mm(x, w, good, gather, si, None, T_out),
+               f"scatter {bad}")
+        expect(r"scatter_index values in \[-1, 5\)",
+               lambda: T.indexed_grouped_mm_backward(grad, x, w, good, gather, si, None, mask),
+               f"backward scatter {bad}")
+    # the CPU op raises on the same inputs, in the same words
+    gi = gather.clone()
+    gi[4] = R
+    expect(r"gather_index values in \[-1, 8\)",
+           lambda: torch.ops.torch_moe.indexed_grouped_mm(x, w, good, gi), "CPU op")
+    # valid edge cases pass: one group, no slots
+    T.grouped_mm(x_slots, w[:1], torch.tensor((S,), dtype=torch.int32))
+    T.indexed_grouped_mm(x_slots[:0], w, torch.zeros(E, dtype=torch.int32))
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs in the subprocess (no interpreter)
 # ---------------------------------------------------------------------------------------------
@@ -481,6 +599,12 @@ class TestTritonGroupedMM(TestCase):
 
     def test_indexed_grouped_mm_backward_interpreted(self):
         self._run("_check_indexed_grouped_mm_backward", interpret=True)
+
+    def test_strided_1d_operands_interpreted(self):
+        self._run("_check_strided_1d_operands", interpret=True)
+
+    def test_invalid_values_raise_interpreted(self):
+        self._run("_check_invalid_values_raise", interpret=True)
 
     def test_graph_capture(self):
         self._run("_check_graph_capture", interpret=False)

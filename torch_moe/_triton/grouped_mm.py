@@ -39,12 +39,17 @@ launch, which accumulates, is reset to zero before each measured run (``reset_to
 torch.compile supports for user-defined kernels); the launch with the row-dot epilogue keeps the
 table's pick, since its partial sums have one row per column tile.
 
-Value checks (``offs`` non-decreasing with ``offs[-1] <= S``, indices in ``[-1, bound)``) are
-device asserts, compiled in only when ``TRITON_DEBUG=1`` (checking them otherwise needs a host
-synchronisation). Without them, out-of-range indices are treated as padding and offsets are clamped
-to ``[0, S]``, so invalid input never reads or writes out of bounds; the values of rows covered by
-a decreasing ``offs`` are then unspecified. A padded slot (-1) reads no input row and writes no
-output row: a gathered one gives an exact zero row, a scattered one adds nothing.
+Value checks, those of the CPU kernel (``offs`` non-negative and non-decreasing with
+``offs[-1]`` at most the split dimension, indices in ``[-1, bound)``): a few reductions of
+``offs`` and the indices checked with :func:`torch_moe._compat.assert_async`, a device-side
+assertion that does not synchronise the host (on CPU tensors, under ``TRITON_INTERPRET=1``, it
+raises at once as the CPU op does). With ``TRITON_DEBUG=1`` the kernels also assert where the bad
+value is met. Invalid values never address memory: out-of-range indices are treated as padding and
+offsets are clamped to ``[0, S]``. A padded slot (-1) reads no input row and writes no output row:
+a gathered one gives an exact zero row, a scattered one adds nothing.
+
+The 1-D operands (``offs``, the indices, the per-slot scales) are made contiguous on the host
+(free when they already are): the kernels read them with unit stride.
 
 Every launch goes through :func:`torch.library.wrap_triton` inside a
 :func:`torch.library.triton_op` (``torch_moe::_triton_grouped_mm``,
@@ -65,6 +70,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
+from torch_moe._compat import assert_async
 from torch_moe._triton._configs import (
     _block,
     autotune_candidates,
@@ -263,7 +269,9 @@ def _grouped_mm_rows_kernel(
         )
         # where, not a product with a zero row: the tile's rows of padded slots may be NaN
         dots = tl.where(dot_ok, tl.sum(acc * dot_x.to(acc.dtype), 1), 0.0)
-        tl.store(dot_ptr + (pid % col_tiles) * num_rows + rows, dots, mask=row_ok)
+        # 64-bit: the column tile times the number of rows can pass 2**31
+        col_tile = (pid % col_tiles).to(tl.int64)
+        tl.store(dot_ptr + col_tile * num_rows + rows, dots, mask=row_ok)
     if HAS_SCALE:
         # not loaded on the tail, which stays exactly zero whatever the scale holds there
         scale = tl.load(scale_ptr + rows, mask=in_group, other=0.0)
@@ -411,6 +419,32 @@ def _autotuned(kernel, candidates: tuple, key: tuple, reset_to_zero: tuple):
     )
 
 
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.contiguous() if t is not None else None
+
+
+def check_offs(op: str, offs: Tensor, limit, what: str) -> None:
+    """The checks of the CPU kernel's ``_group_bounds``, on the device: ``offs`` non-negative
+    and non-decreasing, ``offs[-1] <= limit`` (``what`` names the split dimension). Any number of
+    groups, zero included."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert_async(
+        (sizes >= 0).all(), f"{op}: expected offs to be non-decreasing and non-negative"
+    )
+    # for non-decreasing offs, the last one
+    assert_async((offs <= limit).all(), f"{op}: expected offs[-1] <= {what}")
+
+
+def check_index(op: str, name: str, index: Optional[Tensor], high) -> None:
+    """The CPU kernel's ``_check_index_range`` with padding, on the device: values of
+    ``index`` in ``[-1, high)``."""
+    if index is not None:
+        assert_async(
+            ((index >= -1) & (index < high)).all(),
+            f"{op}: expected {name} values in [-1, {high}) (-1 marks padding)",
+        )
+
+
 def _launch(kernel, grid, args, flags, config, candidates, key, reset_to_zero=()):
     """Launches ``kernel`` with the explicit ``config``, or autotuned over ``candidates``.
 
@@ -460,6 +494,10 @@ def _launch_rows(
     identity): ``dot_out.sum(0)[i] = <x[gather[i]] @ w[g], dot_x[dot_index[i]]>``, 0 for padding.
     """
     E, K, N = w.shape
+    # the kernel reads the 1-D operands with unit stride
+    offs, gather_index, scatter_index, scale, dot_index = (
+        _contiguous(t) for t in (offs, gather_index, scatter_index, scale, dot_index)
+    )
     torch._check(
         dot_out is None or config is not None,
         lambda: "_launch_rows: the row-wise dot products need an explicit config",
@@ -557,6 +595,10 @@ def _launch_k_rows(
     the operand dtype before the MMA (exact for fp32 and fp64 operands).
     """
     G, M, N = out.shape
+    # the kernel reads the 1-D operands with unit stride
+    offs, a_index, b_index, b_scale = (
+        _contiguous(t) for t in (offs, a_index, b_index, b_scale)
+    )
     num_slots = a_index.size(0) if a_index is not None else a_rows.size(0)
     b_slots = b_index.size(0) if b_index is not None else b_rows.size(0)
     torch._check(
@@ -631,6 +673,13 @@ def grouped_mm(
         A contiguous tensor in the dtype of ``a``.
     """
     _checks.check_grouped_mm(a, b, offs)
+    op = "torch_moe.grouped_mm"
+    if a.dim() == 2 and b.dim() == 3:
+        check_offs(op, offs, a.size(0), "self.size(0)")
+    elif a.dim() == 3 and b.dim() == 2:
+        check_offs(op, offs, b.size(1), "mat2.size(1)")
+    else:
+        check_offs(op, offs, a.size(1), "self.size(1)")
     if a.dim() == 2 and b.dim() == 3:
         out = a.new_empty((a.size(0), b.size(2)))
         if out.numel():
@@ -688,6 +737,10 @@ def indexed_grouped_mm(
     S = _checks.check_indexed_grouped_mm(
         input, weight, offs, gather_index, scatter_index, scatter_weight, num_out_rows
     )
+    op = "torch_moe.indexed_grouped_mm"
+    check_offs(op, offs, S, "the number of sorted slots")
+    check_index(op, "gather_index", gather_index, input.size(0))
+    check_index(op, "scatter_index", scatter_index, num_out_rows)
     N = weight.size(2)
     acc_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
     if scatter_index is None:
@@ -749,6 +802,10 @@ def indexed_grouped_mm_backward(
     S = _checks.check_indexed_grouped_mm_backward(
         grad, input, weight, offs, gather_index, scatter_index, scatter_weight, output_mask
     )
+    op = "torch_moe.indexed_grouped_mm_backward"
+    check_offs(op, offs, S, "the number of sorted slots")
+    check_index(op, "gather_index", gather_index, input.size(0))
+    check_index(op, "scatter_index", scatter_index, grad.size(0))
     want_input, want_weight, want_sw = output_mask
     want_sw = want_sw and scatter_weight is not None
     E, K, N = weight.shape
