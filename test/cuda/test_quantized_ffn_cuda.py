@@ -179,6 +179,12 @@ def _check_scaled_grouped_mm() -> None:
             assert got[3].isnan().all() and not got[32:].any()
         else:
             assert got[0].isnan().any() and not got[1].any()
+        # offs as a strided view (every second element of a longer tensor): read by its strides
+        spaced = offs.repeat_interleave(2)
+        spaced[1::2] = 48  # the elements between must not be read
+        strided = _cuda.scaled_grouped_mm_emulated_triton(*args, spaced[::2], "fp8_rowwise",
+                                                          torch.bfloat16)
+        torch.testing.assert_close(strided, got, rtol=0, atol=0, equal_nan=True)
 
 
 class _CudaKernelsOnCpu(TorchDispatchMode):
@@ -395,6 +401,70 @@ class TestNoHostSyncQuantized(TestCase):
                 self.assertEqual((sa.shape, sb.shape), ((M,), (G, N)))
 
 
+
+class _AllocatedBytes(TorchDispatchMode):
+    """Sums the bytes of the new tensors that ops return (outputs that alias an input, of views
+    and in-place ops, allocate nothing): an upper bound of the peak memory above the inputs.
+    An op's own temporaries (inside the Triton GEMM's triton_op) are not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocated = []  # (op, shape, dtype, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, t in zip(func._schema.returns, outs):
+            if isinstance(t, torch.Tensor) and ret.alias_info is None:
+                self.allocated.append((func, tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(entry[-1] for entry in self.allocated)
+
+
+@requires_triton
+class TestEmulationMemory(TestCase):
+    """The FP8 rowwise Triton emulation allocates its result, the copies of the E4M3 operands
+    in the GEMM's dtype and index-sized temporaries, nothing else of the result's size (the
+    scales are applied in place): checked on fake tensors at the size of Qwen3-30B-A3B's w13
+    weight gradient (G = 128, K = 2048, N = 1536), which allocates nothing."""
+
+    @parametrize("out_dtype", [torch.bfloat16, torch.float32])
+    @parametrize("two_d_three_d", [True, False], name_fn=lambda v: "2d_3d" if v else "2d_2d")
+    def test_fp8_rowwise_allocations(self, out_dtype, two_d_three_d):
+        G, K, N, M = 128, 2048, 1536, 8192
+        e4m3, f32 = torch.float8_e4m3fn, torch.float32
+        with FakeTensorMode():
+            offs = torch.empty(G, device=DEVICE, dtype=torch.int32)
+            if two_d_three_d:
+                args = (torch.empty(M, K, device=DEVICE, dtype=e4m3),
+                        torch.empty(G, N, K, device=DEVICE, dtype=e4m3).transpose(1, 2),
+                        torch.empty(M, 1, device=DEVICE, dtype=f32),
+                        torch.empty(G, N, 1, device=DEVICE, dtype=f32).transpose(1, 2))
+            else:
+                args = (torch.empty(M, K, device=DEVICE, dtype=e4m3).t(),
+                        torch.empty(N, M, device=DEVICE, dtype=e4m3).t(),
+                        torch.empty(G, K, device=DEVICE, dtype=f32).t(),
+                        torch.empty(N, G, device=DEVICE, dtype=f32).t())
+            with _AllocatedBytes() as counted:
+                out = _cuda.scaled_grouped_mm_emulated_triton(*args, offs, "fp8_rowwise",
+                                                              out_dtype)
+        gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+        itemsize = torch.empty((), dtype=gemm_dtype).element_size()
+        result = out.numel() * itemsize
+        # the GEMM's operands: the E4M3 tokens cast (and, 2D x 3D, the dequantized weights)
+        operands = (args[0].numel() + args[1].numel()) * itemsize
+        # everything else is index-sized (scales, row / group masks)
+        small = 4 * (M + G * (K + N)) * 4
+        self.assertLessEqual(
+            counted.total, result + operands + small,
+            msg="\n".join(f"{op} {shape} {dtype}: {n / 2**20:.1f} MiB"
+                           for op, shape, dtype, n in counted.allocated if n > 2**20),
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Value checks: raise on CPU (with the values), device asserts elsewhere (without them)
 # ---------------------------------------------------------------------------------------------
@@ -597,6 +667,7 @@ class TestQuantizedFFNCUDA(TestCase):
 
 
 instantiate_parametrized_tests(TestNoHostSyncQuantized)
+instantiate_parametrized_tests(TestEmulationMemory)
 instantiate_device_type_tests(TestQuantizedFFNCUDA, globals(), only_for="cuda")
 
 if __name__ == "__main__":

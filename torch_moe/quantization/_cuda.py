@@ -426,22 +426,27 @@ def scaled_grouped_mm_emulated_triton(
         out = triton_grouped_mm(a, b, offs)
     elif mat_b.dim() == 3:
         # A's scale is one per row: it factors out of the contraction, so the GEMM takes A's
-        # E4M3 values as they are (exact in bf16; no dequantized copy of the tokens) and the
-        # result is scaled by rows, a power of two (exact). Rows past offs[-1] stay zero
-        # whatever their scale (a NaN one included).
+        # E4M3 values cast to ``dtype`` unscaled (exact; the Triton GEMM multiplies operands of
+        # one dtype, so this is a copy of the tokens, but no dequantization pass over them) and
+        # the result is scaled by rows in place, by a power of two (exact). Rows past offs[-1]
+        # stay zero whatever their scale (a NaN one included).
         b = ops.dequantize_fp8_rowwise(mat_b, scale_b, 1, out_dtype=dtype)
         out = triton_grouped_mm(mat_a.to(dtype), b, offs)
+        out.mul_(scale_a.to(dtype))  # [M, 1]
         rows = torch.arange(out.size(0), device=out.device, dtype=offs.dtype)
-        in_groups = (rows < offs.select(0, -1)).unsqueeze(1)
-        out = torch.where(in_groups, out * scale_a.to(out.dtype), 0)
+        out.masked_fill_((rows >= offs.select(0, -1)).unsqueeze(1), 0)
     else:
         # Both scales are one per group and row of the output (scale_a [K, G], scale_b
         # [G, N]): dW[g] = diag(scale_a[:, g]) (a_g @ b_g) diag(scale_b[g]) on the E4M3 values
-        # as they are; empty groups stay zero whatever their scales.
+        # cast unscaled (copies of both operands in ``dtype``, as above). The two scalings are
+        # applied in place through broadcast views, so the only [G, K, N] tensor is the result;
+        # each multiplies by a power of two, exact while the partly scaled value stays in the
+        # normal range (fp32's range, bf16's too). Empty groups stay zero whatever their scales.
         out = triton_grouped_mm(mat_a.to(dtype), mat_b.to(dtype), offs)
-        factor = scale_a.t().unsqueeze(2) * scale_b.unsqueeze(1)  # [G, K, N], powers of two
-        empty = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).view(-1, 1, 1)
-        out = torch.where(empty, 0, out * factor.to(out.dtype))
+        out.mul_(scale_a.t().unsqueeze(2).to(dtype))  # [G, K, 1]
+        out.mul_(scale_b.unsqueeze(1).to(dtype))  # [G, 1, N]
+        empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+        out.masked_fill_(empty.view(-1, 1, 1), 0)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
