@@ -361,6 +361,8 @@ class TestNoHostSyncQuantized(TestCase):
 
         def fake_aten(a, b, sa, sb, *, recipe, offs, out_dtype, use_fast_accum):
             seen.append((a, b, sa, sb))
+            # the kernels read offs[g] at offs + g: a strided offs must arrive contiguous
+            self.assertTrue(offs.is_contiguous())
             G = offs.size(0)
             shape = (a.size(0), b.size(-1)) if b.dim() == 3 else (G, a.size(0), b.size(1))
             return torch.empty(shape, dtype=out_dtype, device=a.device)
@@ -373,7 +375,7 @@ class TestNoHostSyncQuantized(TestCase):
             for two_d_three_d in layouts:
                 G, K, N = 4, 64, 96
                 M = 160
-                offs = torch.empty(G, device=DEVICE, dtype=torch.int32)
+                offs = torch.empty(2 * G, device=DEVICE, dtype=torch.int32)[::2]  # strided
                 if two_d_three_d:
                     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
                     w = torch.randn(G, K, N, device=DEVICE, dtype=torch.bfloat16)

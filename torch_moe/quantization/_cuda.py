@@ -138,9 +138,6 @@ def _use_native(recipe: str, layout: str, mat_a, mat_b, offs) -> bool:
     if mat_a.device.type != "cuda" or torch.version.hip is not None:
         # ROCm takes e4m3fnuz and unswizzled MX scales: not the layouts built here.
         return False
-    if not torch.cuda.is_available():
-        # fake CUDA tensors on a machine without a GPU (tracing): no device to ask
-        return False
     capability = torch.cuda.get_device_capability(mat_a.device)
     return native_kernel_supported(recipe, layout, capability, _built_with_mslk()) and (
         native_shapes_supported(mat_a, mat_b, offs)
@@ -323,7 +320,7 @@ def native_operands(mat_a, mat_b, scale_a, scale_b, offs, recipe: str):
         else:
             sa = scale_a.t().reshape(-1)  # [K, G] -> [G * K]
             sb = scale_b.reshape(-1)  # [G, N] -> [G * N]
-        return a, b, Q.contiguous(sa), Q.contiguous(sb)
+        return a, b, sa.contiguous(), sb.contiguous()
     if mat_b.dim() == 3:
         # The kernel reads expert g's scale as the swizzled (N, K/32) matrix of its columns.
         sa = to_blocked_row_groups(scale_a, offs)
@@ -351,6 +348,7 @@ def _zero_outside_groups_(
 def scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe: str) -> torch.Tensor:
     """aten's scaled grouped GEMM (:func:`torch_moe._compat.scaled_grouped_mm`) on the converted
     operands; bf16 output, zero outside the groups. Offsets must already be validated."""
+    offs = offs.contiguous()  # the grouped kernels read offs[g] at offs + g
     a, b, sa, sb = native_operands(mat_a, mat_b, scale_a, scale_b, offs, recipe)
     out = _compat.scaled_grouped_mm(
         a, b, sa, sb, recipe=recipe, offs=offs, out_dtype=torch.bfloat16,
@@ -395,8 +393,8 @@ def scaled_grouped_mm_emulated_bf16(
     if mat_b.dim() == 2:
         # a column-major and b row-major: the one 2D x 2D layout whose CUTLASS setup accepts
         # empty groups (the others assert on the device).
-        a = Q.contiguous(a.t()).t()
-        b = Q.contiguous(b)
+        a = a.t().contiguous().t()
+        b = b.contiguous()
     out = _compat.grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
     return _zero_outside_groups_(out, offs, mat_b.dim() == 3)
 
@@ -480,7 +478,12 @@ def scaled_grouped_mm_cuda(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch
     layout = "2d_3d" if two_d_three_d else "2d_2d"
     if _use_native(recipe, layout, mat_a, mat_b, offs):
         out = scaled_grouped_mm_native(mat_a, mat_b, scale_a, scale_b, offs, recipe)
-    elif _HAS_TRITON and mat_a.device.type != "cpu":  # (Triton needs the interpreter on CPU)
+    elif _HAS_TRITON and mat_a.device.type != "cpu":
+        # Triton launches on every device but the CPU (there only in its interpreter; CPU
+        # tensors reach this CUDA kernel only when it is called directly). The test names the
+        # CPU rather than CUDA so that the meta tensors which stand for CUDA ones, where the
+        # CUDA path is checked for host synchronisation on a machine without a GPU, take the
+        # path a GPU takes; no other caller gives this function meta tensors.
         return scaled_grouped_mm_emulated_triton(mat_a, mat_b, scale_a, scale_b, offs, recipe,
                                                  out_dtype)
     else:

@@ -49,8 +49,9 @@ def triton_kernel(name: str) -> Callable:
 
 def _eager_kernel(name: str) -> Callable:
     def kernel(x, *args, **kwargs):
-        # Triton launches on the current device. (Fake tensors that stand for CUDA ones may be
-        # on another device, which has no CUDA device guard.)
+        # Triton launches on the current device. (The meta tensors that stand for CUDA ones,
+        # where the CUDA path is checked for host synchronisation without a GPU, reach this
+        # kernel too: they have no CUDA device to make current.)
         guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
         with guard:
             return triton_kernel(name)(x, *args, **kwargs)

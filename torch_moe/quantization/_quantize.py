@@ -32,13 +32,6 @@ __all__ = [
 _FP8_ROWWISE_DTYPE = torch.float8_e4m3fn
 
 
-def contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t.contiguous()``, spelled with ``clone``: the same kernels on a GPU, but the method
-    ``Tensor.contiguous`` sets a device guard, which fails on fake CUDA tensors on a machine
-    without one, where the CUDA path is checked for host synchronisation."""
-    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
-
-
 def _to_elem(q: torch.Tensor, elem_dtype: torch.dtype) -> torch.Tensor:
     """Round-to-nearest-even cast with saturation to the largest finite value; NaN stays NaN.
 
@@ -83,7 +76,7 @@ def check_quantize_mxfp8(x, dim, elem_dtype, scale_mode) -> int:
 def quantize_mxfp8(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="rceil"):
     d = check_quantize_mxfp8(x, dim, elem_dtype, scale_mode)
     # contiguous outputs whatever the input strides (what the fake kernel promises)
-    blocks = contiguous(x.to(_work_dtype(x))).unflatten(d, (-1, BLOCK_SIZE))  # [..., nb, B, ...]
+    blocks = x.to(_work_dtype(x)).contiguous().unflatten(d, (-1, BLOCK_SIZE))  # [..., nb, B, ...]
     scale = scale_bytes(_abs_max(blocks, d + 1), elem_dtype, scale_mode)
     # x * 2**(127 - b) is exact (a power of two); a NaN reciprocal (b = 255) makes the whole
     # block NaN, as the spec asks of a NaN scale.
@@ -105,7 +98,7 @@ def check_dequantize_mxfp8(data, scale, dim, out_dtype) -> int:
 
 def dequantize_mxfp8(data, scale, dim=-1, out_dtype=torch.float32):
     d = check_dequantize_mxfp8(data, scale, dim, out_dtype)
-    blocks = contiguous(data).float().unflatten(d, (-1, BLOCK_SIZE))
+    blocks = data.contiguous().float().unflatten(d, (-1, BLOCK_SIZE))
     factor = e8m0_to_float(_as_bytes(scale)).unsqueeze(d + 1)
     return (blocks * factor).flatten(d, d + 1).to(out_dtype)
 
@@ -144,7 +137,7 @@ def _segment_lengths(offs: torch.Tensor, n: int) -> torch.Tensor:
 
 def quantize_fp8_rowwise(x, dim=-1, offs=None):
     d, G = check_quantize_fp8_rowwise(x, dim, offs)
-    xw = contiguous(x.to(_work_dtype(x)))
+    xw = x.to(_work_dtype(x)).contiguous()
     if offs is None:
         scale = pow2_ceil_scale(_abs_max(xw, d), _FP8_ROWWISE_DTYPE)
         return _to_elem(xw * scale.reciprocal().to(xw.dtype), _FP8_ROWWISE_DTYPE), scale
@@ -163,8 +156,8 @@ def quantize_fp8_rowwise(x, dim=-1, offs=None):
     q = xt * recip_rows
     in_group = torch.arange(n, device=x.device) < offs.select(0, -1) if G else torch.zeros(n, dtype=torch.bool, device=x.device)
     q = torch.where(in_group.view(-1, *([1] * (q.dim() - 1))), q, 0)  # Inf * 0 would be NaN
-    data = contiguous(_to_elem(q, _FP8_ROWWISE_DTYPE).movedim(0, d))
-    return data, contiguous(scale_t.movedim(0, d))
+    data = _to_elem(q, _FP8_ROWWISE_DTYPE).movedim(0, d).contiguous()
+    return data, scale_t.movedim(0, d).contiguous()
 
 
 def check_dequantize_fp8_rowwise(data, scale, dim, offs, out_dtype) -> int:
@@ -193,7 +186,7 @@ def dequantize_fp8_rowwise(data, scale, dim=-1, offs=None, out_dtype=torch.float
     scale_t = scale.movedim(d, 0)
     padded = torch.cat([scale_t, scale_t.new_zeros((1, *scale_t.shape[1:]))])
     rows = torch.repeat_interleave(padded, _segment_lengths(offs, n), dim=0, output_size=n)
-    return contiguous((df.movedim(d, 0) * rows).movedim(0, d).to(out_dtype))
+    return (df.movedim(d, 0) * rows).movedim(0, d).to(out_dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,4 +242,5 @@ def unswizzle_mx_scale(swizzled, rows, cols):
     tiles = b.reshape(*batch, Rp // 128, Cp // 4, 32, 4, 4)
     n = len(batch)
     order = list(range(n)) + [n + i for i in (0, 3, 2, 1, 4)]  # back to (rb, r4, r32, cb, c4)
-    return contiguous(tiles.permute(order).reshape(*batch, Rp, Cp).narrow(-2, 0, rows).narrow(-1, 0, cols))
+    tiles = tiles.permute(order).reshape(*batch, Rp, Cp)
+    return tiles.narrow(-2, 0, rows).narrow(-1, 0, cols).contiguous()
