@@ -25,6 +25,7 @@
 """
 
 import contextlib
+import re
 
 import torch
 from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
@@ -383,6 +384,93 @@ def _check_dropped_reads_nothing() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D) as a view with stride 2, the column of a 2-D tensor."""
+    wide = torch.full((t.size(0), 2), 7, dtype=t.dtype)
+    wide[:, 0] = t
+    return wide[:, 0]
+
+
+def _check_strided_routing() -> None:
+    """``sorted_ids`` and ``offs`` as strided views (stride 2) give the results of their
+    contiguous copies, forward and backward."""
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(5)
+    sorted_ids, offs, topk_weights = _routing("padded", T, K_TOP, E, g)
+    x = torch.randn(T, D, generator=g)
+    grad = torch.randn(T, D, generator=g)
+    weights = _weights("swiglu", "separate", E, D, F, g)
+    strided = _forward_args(x, (_strided(sorted_ids), _strided(offs), topk_weights), weights,
+                            "swiglu")
+    hidden = _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfg), strided, "strided")
+    _compare_backward(lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                      _backward_args(strided, hidden, grad, FULL_MASK), "strided backward")
+    with deterministic():
+        _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfg), strided, "strided det")
+
+
+def _check_invalid_routing_raises() -> None:
+    """The value checks of the CPU kernel, forward and backward: offs decreasing, negative or
+    past the slots, ids outside [-1, T * k), an assignment twice (assert_async raises at once on
+    CPU tensors)."""
+    from torch_moe._triton import grouped_ffn as M
+
+    g = torch.Generator().manual_seed(6)
+    sorted_ids, offs, topk_weights = _routing("dense", T, K_TOP, E, g)
+    S = sorted_ids.size(0)
+    x = torch.randn(T, D, generator=g)
+    grad = torch.randn(T, D, generator=g)
+    weights = _weights("swiglu", "separate", E, D, F, g)
+    hidden = M.grouped_ffn(*_forward_args(x, (sorted_ids, offs, topk_weights), weights,
+                                          "swiglu"))[1]
+    dup = sorted_ids.clone()
+    dup[1] = dup[0]
+    cases = [
+        ("non-decreasing and non-negative", sorted_ids,
+         torch.tensor((5, 4, S), dtype=torch.int32)),
+        ("non-decreasing and non-negative", sorted_ids,
+         torch.tensor((-1, 4, S), dtype=torch.int32)),
+        (r"offs\[-1\] <= sorted_ids.size\(0\)", sorted_ids,
+         torch.tensor((4, 4, S + 1), dtype=torch.int32)),
+        (r"sorted_ids values in \[-1, 18\)", sorted_ids.clone().fill_(-2), offs),
+        (r"sorted_ids values in \[-1, 18\)", sorted_ids.clone().fill_(T * K_TOP), offs),
+        ("at most once", dup, offs),
+    ]
+    for message, ids, bad_offs in cases:
+        args = _forward_args(x, (ids, bad_offs, topk_weights), weights, "swiglu")
+        for name, fn in (
+            ("forward", lambda: M.grouped_ffn(*args)),
+            ("backward", lambda: M.grouped_ffn_backward(
+                *_backward_args(args, hidden, grad, FULL_MASK))),
+            ("CPU op", lambda: torch.ops.torch_moe.grouped_ffn(*args)),
+        ):
+            try:
+                fn()
+            except RuntimeError as e:
+                assert re.search(message, str(e)), (name, message, str(e))
+            else:
+                raise AssertionError(f"{name} {message}: no error")
+
+
+def _check_ffn_configs_fit_shared_memory() -> None:
+    """The FFN kernels' tiles on a GPU with little shared memory (sm_103: the sm_90 rows of the
+    table, 99 KiB): the gated up kernel's stages, with two weight tiles, fit; the backward's
+    kernel (launched with its table pick, never autotuned) takes the narrower columns."""
+    from torch_moe._triton import _configs as C, grouped_ffn as M
+
+    M.device_arch = lambda device: (10, 3)
+    x = torch.empty(0, 7168, dtype=torch.bfloat16)
+    for S, F, E in ((32768, 2048, 8), (4096, 2048, 256)):
+        up = M._ffn_config(x, S, F, 7168, E, True, weight_tiles=2)
+        used = up.num_stages * (up.block_m * up.block_k + 2 * up.block_k * up.block_n) * 2
+        assert used <= C.shared_memory_bytes((10, 3)), up
+        rows = C.pick_config("rows", x.dtype, (10, 3), S, F, 7168, E)
+        back = M._ffn_config(x, S, F, 7168, E, True)
+        assert back.block_n == rows.block_n // 2, (back, rows)
+
+
 def _check_fake_cuda() -> None:
     """The CUDA kernels run on fake CUDA tensors (nothing is launched, nothing read) and give the
     fake kernels' outputs."""
@@ -501,10 +589,11 @@ def _check_graph_capture() -> None:
     # with a GPU target for the Triton frontend, the mutation analysis runs for real
     use_sm90_target()
     # what each kernel writes: the up kernel, the backward's dA kernel (every output requested),
-    # grouped_mm's kernels
+    # grouped_mm's kernels, and permute's inverse map (the routing's range and duplicate check)
+    inverse_map = {"slot_ptr", "errors_ptr"}
     written = {
-        "forward": [{"hidden_ptr", "act_ptr"}, {"out_ptr"}],
-        "backward": [{"dh_ptr", "act_ptr", "part_ptr"}, {"out_ptr"}],
+        "forward": [{"hidden_ptr", "act_ptr"}, {"out_ptr"}, inverse_map],
+        "backward": [{"dh_ptr", "act_ptr", "part_ptr"}, {"out_ptr"}, inverse_map],
     }
     for name, module in triton_ops.items():
         gm = capture(module, cpu[name])
@@ -554,6 +643,15 @@ class TestTritonGroupedFFN(TestCase):
 
     def test_dropped_reads_nothing_interpreted(self):
         self._run("_check_dropped_reads_nothing")
+
+    def test_strided_routing_interpreted(self):
+        self._run("_check_strided_routing")
+
+    def test_invalid_routing_raises_interpreted(self):
+        self._run("_check_invalid_routing_raises")
+
+    def test_ffn_configs_fit_shared_memory(self):
+        self._run("_check_ffn_configs_fit_shared_memory", interpret=False)
 
     def test_fake_cuda(self):
         self._run("_check_fake_cuda", interpret=False)

@@ -662,6 +662,31 @@ class TestGemmConfigs(TestCase):
         pick = C.pick_config("k", torch.bfloat16, None, 64, 64, 640, 4)
         self.assertEqual(C.autotune_candidates(pick, torch.bfloat16, None, 64, 64), [pick])
 
+    def test_picks_fit_shared_memory(self):
+        """The table's pick fits the device's shared memory, also where the table takes the
+        sm_90 rows for a capability with less of it (sm_103 here, 99 KiB assumed): launches
+        that keep the pick without autotuning must not run out of resources."""
+        C = self.C
+        shapes = [("rows", 32768, 4096, 7168, 8), ("rows", 4096, 2048, 7168, 256),
+                  ("k", 7168, 2048, 32768, 8), ("k", 7168, 2048, 1024, 64)]
+        for arch in ((9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (8, 0), (8, 6), None):
+            for dtype in (torch.bfloat16, torch.float32, torch.float64):
+                for kind, m, n, k, groups in shapes:
+                    for tiles in (1, 2):
+                        c = C.pick_config(kind, dtype, arch, m, n, k, groups, weight_tiles=tiles)
+                        used = c.num_stages * (c.block_m * c.block_k + tiles * c.block_k
+                                               * c.block_n) * dtype.itemsize
+                        self.assertLessEqual(used, C.shared_memory_bytes(arch),
+                                             (arch, dtype, kind, tiles, c))
+        # sm_103 takes the sm_90 row with a shorter contraction step; sm_90 keeps its pick
+        hopper = C.pick_config("rows", torch.bfloat16, (9, 0), 32768, 4096, 7168, 8)
+        self.assertEqual(hopper, C.GemmConfig(128, 128, 64, num_warps=8, num_stages=4))
+        small = C.pick_config("rows", torch.bfloat16, (10, 3), 32768, 4096, 7168, 8)
+        self.assertEqual(small, hopper._replace(block_k=32))
+        # the smallest tile is returned as it is
+        tiny = C.GemmConfig(16, 16, 16, num_stages=2)
+        self.assertEqual(C.fit_shared_memory(tiny, torch.float64, None, 2), tiny)
+
 
 # Realistic slices of MoE layers: (name, D, F, E, T, top_k)
 _MODELS = [

@@ -20,7 +20,11 @@ mm and grouped-mm candidate lists, which span BLOCK_M 16-128, BLOCK_N 64-256, BL
 rows with 4 warps. A stage of a 16-bit 128 x 128 x 64 tile holds (128 * 64 + 64 * 128) * 2 B =
 32 KiB. Ampere (sm_80, 163 KiB) and Ada / consumer GPUs (sm_86, sm_89, sm_120, 99 KiB) take
 tiles of at most 64 x 128 x 64 in 3 stages (72 KiB), which fit every GPU since Ampere. Configs
-whose stages do not fit the device's shared memory are never proposed.
+whose stages do not fit the device's shared memory are never proposed, the table's pick included:
+:func:`pick_config` steps it down (BLOCK_K to 32, then the stages to 2, then BLOCK_N, BLOCK_M
+and BLOCK_K to 16) until it fits, counting every weight tile of a stage (two in the FFN up
+kernel), so that launches that keep the pick without autotuning run on any GPU, including those
+whose capability the table does not know (99 KiB assumed).
 
 fp32 operands (ieee or tf32) and fp64 halve the tiles: their elements are 2 and 4 times wider and
 the MMA is narrower.
@@ -31,7 +35,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["GemmConfig", "autotune_candidates", "pick_config", "shared_memory_bytes"]
+__all__ = [
+    "GemmConfig",
+    "autotune_candidates",
+    "fit_shared_memory",
+    "pick_config",
+    "shared_memory_bytes",
+]
 
 
 class GemmConfig(NamedTuple):
@@ -91,12 +101,37 @@ def _fit(cfg: GemmConfig, m, n, k) -> GemmConfig:
     )
 
 
-def _stage_bytes(cfg: GemmConfig, itemsize: int) -> int:
-    return (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * itemsize
+def _stage_bytes(cfg: GemmConfig, itemsize: int, weight_tiles: int = 1) -> int:
+    """One pipeline stage: a ``[BLOCK_M, BLOCK_K]`` input tile and ``weight_tiles``
+    ``[BLOCK_K, BLOCK_N]`` weight tiles."""
+    return (cfg.block_m * cfg.block_k + weight_tiles * cfg.block_k * cfg.block_n) * itemsize
 
 
-def _fits(cfg: GemmConfig, itemsize: int, arch) -> bool:
-    return cfg.num_stages * _stage_bytes(cfg, itemsize) <= shared_memory_bytes(arch)
+def _fits(cfg: GemmConfig, itemsize: int, arch, weight_tiles: int = 1) -> bool:
+    return cfg.num_stages * _stage_bytes(cfg, itemsize, weight_tiles) <= shared_memory_bytes(arch)
+
+
+def fit_shared_memory(
+    cfg: GemmConfig, dtype: torch.dtype, arch: Optional[tuple[int, int]], weight_tiles: int = 1
+) -> GemmConfig:
+    """``cfg``, stepped down until its stages fit the shared memory of ``arch``: BLOCK_K to 32,
+    then the stages to 2, then BLOCK_N, BLOCK_M and BLOCK_K to 16 (the MMA tile is kept longest;
+    a shorter contraction step with the same stages hides the same latency)."""
+    itemsize = dtype.itemsize
+    while not _fits(cfg, itemsize, arch, weight_tiles):
+        if cfg.block_k > 32:
+            cfg = cfg._replace(block_k=cfg.block_k // 2)
+        elif cfg.num_stages > 2:
+            cfg = cfg._replace(num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 16:
+            cfg = cfg._replace(block_n=cfg.block_n // 2)
+        elif cfg.block_m > 16:
+            cfg = cfg._replace(block_m=cfg.block_m // 2, num_warps=4)
+        elif cfg.block_k > 16:
+            cfg = cfg._replace(block_k=cfg.block_k // 2)
+        else:
+            break  # 16 x 16 x 16 in 2 stages: 2 KiB per weight tile, fits any GPU
+    return cfg
 
 
 def _generic(itemsize: int) -> GemmConfig:
@@ -130,9 +165,11 @@ def _hopper(kind: str, itemsize: int, m_per_group, contraction) -> GemmConfig:
 
 
 def pick_config(
-    kind: str, dtype: torch.dtype, arch: Optional[tuple[int, int]], m, n, k, groups
+    kind: str, dtype: torch.dtype, arch: Optional[tuple[int, int]], m, n, k, groups,
+    weight_tiles: int = 1,
 ) -> GemmConfig:
-    """The table's config for one launch.
+    """The table's config for one launch, within the shared memory of ``arch``
+    (:func:`fit_shared_memory`, ``weight_tiles`` weight tiles per stage).
 
     Args:
         kind: ``"rows"`` (rows kernel: m rows in total over ``groups`` groups, n output columns,
@@ -149,8 +186,10 @@ def pick_config(
     if kind == "rows":
         # M is the token dimension and not narrowed: it varies from call to call, and a fixed
         # block keeps one compiled kernel
-        return cfg._replace(block_n=_block(n, 16, cfg.block_n), block_k=_block(k, 16, cfg.block_k))
-    return _fit(cfg, m, n, per_group if per_group > 0 else 16)
+        cfg = cfg._replace(block_n=_block(n, 16, cfg.block_n), block_k=_block(k, 16, cfg.block_k))
+    else:
+        cfg = _fit(cfg, m, n, per_group if per_group > 0 else 16)
+    return fit_shared_memory(cfg, dtype, arch, weight_tiles)
 
 
 def autotune_candidates(

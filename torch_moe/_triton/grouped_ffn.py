@@ -36,9 +36,16 @@ Backward (saved: x, hidden, the routing and the weights; the activation is recom
 
 Only what ``output_mask`` asks for is computed. Padded slots (-1 in ``sorted_ids``) read no row
 and write zero rows (``hidden``, ``dH``), add nothing to ``out`` / ``grad_x`` / the weight
-gradients and get no routing gradient; slots past ``offs[-1]`` are treated the same way. Value
-checks are device asserts compiled in under ``TRITON_DEBUG=1``; without them, out-of-range ids
-are treated as padding and offsets are clamped, so nothing is read or written out of bounds.
+gradients and get no routing gradient; slots past ``offs[-1]`` are treated the same way.
+
+Value checks, those of the CPU kernel: ``offs`` non-negative, non-decreasing and at most S, ids in
+``[-1, T * k)``, each assignment at most once (the duplicate check is the inverse map of
+:mod:`torch_moe._triton.permute`), all with :func:`torch_moe._compat.assert_async`, which does not
+synchronise the host (and raises at once on CPU tensors, under ``TRITON_INTERPRET=1``). With
+``TRITON_DEBUG=1`` the kernels also assert where the bad value is met. Out-of-range ids are
+treated as padding and offsets are clamped, so invalid input reads or writes nothing out of
+bounds. ``sorted_ids`` and ``offs`` are made contiguous on the host (free when they are): the
+kernels read them with unit stride.
 
 The activation formulas are those of :mod:`torch_moe._native.activation` (the reference), in
 fp32 (fp64 for fp64 operands).
@@ -57,12 +64,14 @@ from torch_moe._triton._configs import (
     _block,
     autotune_candidates,
     device_arch,
+    fit_shared_memory,
     GemmConfig,
     pick_config,
     shared_memory_bytes,
 )
 from torch_moe._triton.grouped_mm import (
     _acc_zeros,
+    check_offs,
     _input_precision,
     _launch,
     _launch_k_rows,
@@ -70,6 +79,7 @@ from torch_moe._triton.grouped_mm import (
     _row_tile,
     _rows_table_config,
 )
+from torch_moe._triton.permute import _default_config as _permute_config, _inverse_slots
 
 __all__ = ["KERNELS", "grouped_ffn", "grouped_ffn_backward"]
 
@@ -406,6 +416,13 @@ def _token_index(sorted_ids: Tensor, num_tokens: int, top_k: int) -> Tensor:
     return torch.where(valid, sorted_ids.div(max(top_k, 1), rounding_mode="floor"), -1)
 
 
+def _check_routing(op: str, sorted_ids: Tensor, offs: Tensor, num_assignments) -> None:
+    """The value checks of the CPU kernel on the device (see the module docstring)."""
+    check_offs(op, offs, sorted_ids.size(0), "sorted_ids.size(0)")
+    # ids in [-1, T * k) and each assignment at most once; the map itself is not needed
+    _inverse_slots(op, sorted_ids, num_assignments, _permute_config(1))
+
+
 def _slot_weights(topk_weights: Tensor, sorted_ids: Tensor, token: Tensor) -> Tensor:
     """``w_i`` per slot (the dtype of topk_weights), zero for padding; the kernels apply it in
     the accumulation dtype."""
@@ -468,17 +485,21 @@ def _rows_grid(S: int, E: int, F: int, cfg: GemmConfig):
     return ((triton.cdiv(S, cfg.block_m) + E) * triton.cdiv(F, cfg.block_n),)
 
 
-def _ffn_config(x: Tensor, S, F, D, E, two_accumulators: bool) -> GemmConfig:
+def _ffn_config(x: Tensor, S, F, D, E, narrow: bool, weight_tiles: int = 1) -> GemmConfig:
     """The tiles of the FFN kernels: the table's rows-kernel pick for ``[S, F]`` outputs over a
-    contraction of D. The backward's kernel keeps it (the layout of its partial sums, one column
-    per column tile, is chosen on the host from the config); the forward's is autotuned around
-    it."""
-    cfg = pick_config("rows", x.dtype, device_arch(x.device), S, F, D, E)
-    if two_accumulators:
-        # two accumulators and two weight tiles: half the columns keep registers and shared
-        # memory at the size of one plain GEMM tile
+    contraction of D, within shared memory with ``weight_tiles`` weight tiles per stage. The
+    backward's kernel keeps it (the layout of its partial sums, one column per column tile, is
+    chosen on the host from the config); the forward's is autotuned around it.
+
+    ``narrow``: half the columns, for kernels with several live tiles per program (the gated up
+    kernel's two accumulators and two weight tiles; the backward's epilogue, which holds dA, the
+    pre-activation, the activation and its gradients), which keeps registers (and, with two
+    weight tiles, shared memory) at the size of one plain GEMM tile."""
+    arch = device_arch(x.device)
+    cfg = pick_config("rows", x.dtype, arch, S, F, D, E)
+    if narrow:
         cfg = cfg._replace(block_n=max(16, cfg.block_n // 2))
-    return cfg
+    return fit_shared_memory(cfg, x.dtype, arch, weight_tiles)
 
 
 def grouped_ffn(
@@ -506,6 +527,9 @@ def grouped_ffn(
         ``(out [T, D], hidden [S, H])``, contiguous, in the dtype of x.
     """
     _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+    # the kernels read the 1-D operands with unit stride
+    sorted_ids, offs = sorted_ids.contiguous(), offs.contiguous()
+    _check_routing("torch_moe.grouped_ffn", sorted_ids, offs, topk_weights.numel())
     gated = activation in _checks.GATED_ACTIVATIONS
     T, D = x.shape
     E = w1.size(0)
@@ -514,7 +538,10 @@ def grouped_ffn(
     hidden = x.new_empty((S, 2 * F if gated else F))
     act = x.new_empty((S, F))
     if S > 0 and F > 0:
-        table = config if config is not None else _ffn_config(x, S, F, D, E, gated)
+        table = (
+            config if config is not None
+            else _ffn_config(x, S, F, D, E, gated, weight_tiles=2 if gated else 1)
+        )
         # a fused w13 holds the up projection in its columns F..2F
         w_up, up_col = (w3, 0) if w3 is not None else (w1, F)
         args = (
@@ -575,6 +602,8 @@ def grouped_ffn_backward(
     _, F = _checks.check_grouped_ffn_backward(
         grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, output_mask
     )
+    sorted_ids, offs = sorted_ids.contiguous(), offs.contiguous()
+    _check_routing("torch_moe.grouped_ffn_backward", sorted_ids, offs, topk_weights.numel())
     want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
     want_w3 = want_w3 and w3 is not None
     want_dH = want_x or want_w1 or want_w3
@@ -587,7 +616,7 @@ def grouped_ffn_backward(
     acc_dtype = _acc_dtype(x.dtype)
     token = _token_index(sorted_ids, T, k)
 
-    cfg = config if config is not None else _ffn_config(x, S, F, D, E, False)
+    cfg = config if config is not None else _ffn_config(x, S, F, D, E, True)
     col_tiles = triton.cdiv(F, cfg.block_n)
     dH = x.new_empty(hidden.shape) if want_dH else None
     act = x.new_empty((S, F)) if want_w2 else None

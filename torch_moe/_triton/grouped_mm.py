@@ -34,7 +34,8 @@ in that mode, at the cost of an ``[S, N]`` fp32 intermediate.
 
 Tiles. Without an explicit ``config``, a launch takes its tiles from the shape-keyed table of
 :mod:`torch_moe._triton._configs` and ``triton.autotune`` measures a few candidates around that
-pick on the GPU (only the pick runs without one, as under ``TRITON_INTERPRET=1``). The scattered
+pick on the GPU (only the pick runs without one, as under ``TRITON_INTERPRET=1``, and during CUDA
+graph capture, where measuring would synchronise inside the capture). The scattered
 launch, which accumulates, is reset to zero before each measured run (``reset_to_zero``, which
 torch.compile supports for user-defined kernels); the launch with the row-dot epilogue keeps the
 table's pick, since its partial sums have one row per column tile.
@@ -445,14 +446,24 @@ def check_index(op: str, name: str, index: Optional[Tensor], high) -> None:
         )
 
 
+def _capturing() -> bool:
+    # without an initialised CUDA context nothing is captured (and the query itself fails on a
+    # build without CUDA)
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _launch(kernel, grid, args, flags, config, candidates, key, reset_to_zero=()):
     """Launches ``kernel`` with the explicit ``config``, or autotuned over ``candidates``.
 
     ``grid(block_m, block_n)`` gives the launch grid of a config. The explicit config is passed
     as the kernel's block sizes and launch parameters; an autotuned launch takes them from the
     autotuner (torch.compile's wrapper would otherwise apply num_warps / num_stages to every
-    candidate).
+    candidate). During CUDA graph capture the table's pick (``candidates[0]``) is launched
+    instead: the autotuner would benchmark, and synchronise, inside the capture for a shape it
+    has not seen.
     """
+    if config is None and _capturing():
+        config = candidates[0]
     if config is not None:
         wrap_triton(kernel)[(grid(config.block_m, config.block_n),)](
             *args,
