@@ -367,6 +367,26 @@ def _check_strided_1d_operands() -> None:
                 assert_matches(o, r, f"indexed_grouped_mm_backward {name} {in_order=}")
 
 
+def _check_no_autotuning_in_graph_capture() -> None:
+    """During CUDA graph capture a launch takes the table's pick instead of the autotuner,
+    which would measure (and synchronise) inside the capture; the capture query is False
+    without CUDA and initialises nothing."""
+    from torch_moe._triton import grouped_mm as T
+
+    assert not T._capturing() and not torch.cuda.is_initialized()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, K, generator=g), torch.randn(E, K, N, generator=g)
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    ref = torch.ops.torch_moe.grouped_mm(x, w, offs)
+
+    def autotuned(*args):
+        raise AssertionError("autotuned during capture")
+
+    T._capturing, T._autotuned = lambda: True, autotuned
+    with deterministic():
+        assert_matches(T.grouped_mm(x, w, offs), ref, "grouped_mm in capture")
+
+
 def _check_invalid_values_raise() -> None:
     """The value checks of the CPU kernels: decreasing or negative offs, offs[-1] past the
     split dimension, indices outside [-1, bound), forward and backward (assert_async raises at
@@ -602,6 +622,9 @@ class TestTritonGroupedMM(TestCase):
 
     def test_strided_1d_operands_interpreted(self):
         self._run("_check_strided_1d_operands", interpret=True)
+
+    def test_no_autotuning_in_graph_capture_interpreted(self):
+        self._run("_check_no_autotuning_in_graph_capture", interpret=True)
 
     def test_invalid_values_raise_interpreted(self):
         self._run("_check_invalid_values_raise", interpret=True)
