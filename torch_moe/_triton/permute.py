@@ -52,6 +52,7 @@ from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
 from torch_moe._compat import assert_async
+from torch_moe._triton.grouped_mm import _acc_zeros
 
 __all__ = [
     "KERNELS",
@@ -67,15 +68,6 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Device code
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _acc_zeros(src_ptr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The accumulator tile: fp64 for fp64 rows, fp32 otherwise."""
-    if src_ptr.dtype.element_ty == tl.float64:
-        return tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float64)
-    else:
-        return tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
 
 @triton.jit
