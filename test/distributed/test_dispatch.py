@@ -70,6 +70,14 @@ class _Base(MultiThreadedTestCase):
         super().setUp()
         self._spawn_threads()
 
+    def _raises_the_same_on_every_rank(self, exc_type, regex, fn):
+        """``fn`` raises ``exc_type`` matching ``regex`` here, with the message of every rank."""
+        with self.assertRaisesRegex(exc_type, regex) as ctx:
+            fn()
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, str(ctx.exception))
+        self.assertEqual(len(set(messages)), 1, msg=messages)
+
     def _compare(self, E, D, F, T, k, ids=None, gated=True, seed=0, backward=True, **options):
         """This rank's output and gradients against moe_ffn on the full data."""
         R, rank = dist.get_world_size(), dist.get_rank()
@@ -206,14 +214,6 @@ class TestDispatch4Ranks(_Base):
                                     r"\[0\] and 3 on ranks \[1, 2, 3\]"):
             expert_parallel_moe_ffn(x[:T, :d], ids[:T], w[:T], w1[:2, :d], w2[:2, :, :d],
                                     w3[:2, :d], num_experts=E)
-
-    def _raises_the_same_on_every_rank(self, exc_type, regex, fn):
-        """``fn`` raises ``exc_type`` matching ``regex`` here, with the message of every rank."""
-        with self.assertRaisesRegex(exc_type, regex) as ctx:
-            fn()
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, str(ctx.exception))
-        self.assertEqual(len(set(messages)), 1, msg=messages)
 
     def test_ranks_disagreeing_on_num_chunks_raise_the_same_error(self):
         E, T, k = 8, 4, 2
@@ -585,6 +585,36 @@ class TestCapacityModeHasNoDataDependentShapes(_Base):
         self.assertEqual(len(other[0]), len(first[0]))
         self.assertEqual([len(r) for r in other[0]], [len(r) for r in first[0]])
 
+    def test_sync_free_capacity_mode_reads_nothing_on_the_host(self):
+        for options in ({}, {"dedup": True, "num_chunks": 2}):
+            with self.subTest(**options):
+                self.assertEqual(self._host_reads(seed=0, T=6, capacity_factor=2.0,
+                                                  sync_free=True, **options), [])
+
+    def test_sync_free_capacity_mode_compiles_whole(self):
+        # header exchange included: rank 0 runs the whole call compiled into one graph without
+        # data-dependent shapes or scalars, rank 1 eagerly
+        E, D, F, T, k = 4, 4, 4, 6, 2
+        rank = dist.get_rank()
+        x, ids, w, w1, w2, w3 = _global_data(E, D, F, T, k, 2, seed=3)
+        ref = moe_ffn(x, ids, w, w1, w2, w3)
+        mine, experts = slice(rank * T, (rank + 1) * T), slice(rank * 2, (rank + 1) * 2)
+
+        def layer(x, topk_ids, topk_weights, w1, w2, w3):
+            return expert_parallel_moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, num_experts=E,
+                                           dedup=True, num_chunks=2, capacity_factor=8.0,
+                                           sync_free=True)
+
+        fn = layer
+        if rank == 0:
+            torch._dynamo.reset()
+            fn = torch.compile(layer, fullgraph=True, backend=_static_graph)
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False,
+                                        capture_scalar_outputs=False):
+            for _ in range(2):  # the second call finds the cached header rows
+                out = fn(x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts])
+                self.assertEqual(out, ref[mine], **TOL)
+
     def test_static_graph_backend_sees_data_dependent_ops(self):
         x = torch.randn(6)
         for f in (lambda x: x[x > 0], lambda x: x.nonzero(), lambda x: x.sum().item() + 1):
@@ -623,6 +653,102 @@ class TestCapacityModeHasNoDataDependentShapes(_Base):
                                         capture_scalar_outputs=False):
             out = fn(x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts])
         self.assertEqual(out, ref[mine], **TOL)
+
+
+class TestSyncFreeCapacityMode(TestArgumentErrorsOnSomeRanks):
+    """``sync_free=True``: capacity mode with every rank's splits known without the header's
+    host read. The header is still exchanged and checked on the device: on CPU every rank
+    whose arguments passed raises the same ``RuntimeError`` before any later collective (none
+    is left waiting), and a rank whose arguments failed raises its own error."""
+
+    @property
+    def world_size(self):
+        return 4
+
+    def test_matches_moe_ffn_forward_and_backward(self):
+        for options in ({}, {"dedup": True, "num_chunks": 2}, {"num_chunks": 3}):
+            with self.subTest(**options):
+                self._compare(E=8, D=8, F=6, T=10, k=3, capacity_factor=8.0, sync_free=True,
+                              **options)
+        # capacity 1.0 drops rows: the same drops as the capacity mode with a host read
+        x, ids, w, w1, w2, w3 = self._layer(T=8)
+        outs = [expert_parallel_moe_ffn(x, ids, w, w1, w2, w3, num_experts=8,
+                                        capacity_factor=0.5, sync_free=sync_free)
+                for sync_free in (False, True)]
+        self.assertEqual(outs[0], outs[1], atol=0, rtol=0)
+
+    def _sync_free(self, args=None, **options):
+        args = self._layer() if args is None else args
+        return lambda: expert_parallel_moe_ffn(*args, num_experts=8, capacity_factor=2.0,
+                                               sync_free=True, **options)
+
+    def _every_rank_raises_the_same(self, exc_type, regex, fn):
+        try:
+            self._raises_the_same_on_every_rank(exc_type, regex, fn)
+        finally:
+            self._wait_for_every_rank()
+
+    def test_ranks_with_different_token_counts_raise_on_every_rank(self):
+        args = self._layer(T=4 + (dist.get_rank() == 3))
+        self._every_rank_raises_the_same(
+            RuntimeError, "expected every rank of the expert-parallel group to pass the same "
+            "number of tokens with sync_free=True", self._sync_free(args))
+
+    def test_ranks_disagreeing_on_the_layer_raise_on_every_rank(self):
+        rank = dist.get_rank()
+        for options in ({"dedup": rank == 0}, {"num_chunks": 1 + (rank == 1)}):
+            with self.subTest(**options):
+                self._every_rank_raises_the_same(
+                    RuntimeError, "expected every rank of the expert-parallel group to pass the "
+                    "same num_experts, .*dedup", self._sync_free(**options))
+
+    def test_ids_out_of_range_raise_on_every_rank(self):
+        args = self._layer()
+        if dist.get_rank() == 2:
+            args[1] = args[1].clone()
+            args[1][0, 0] = 8
+        self._every_rank_raises_the_same(RuntimeError, r"expected expert ids in \[0, 8\)",
+                                         self._sync_free(args))
+
+    def test_a_rank_with_bad_arguments(self):
+        rank = dist.get_rank()
+        args = self._layer()
+        if rank == 1:
+            args[2] = args[2].long()
+        try:
+            if rank == 1:
+                with self.assertRaisesRegex(ValueError, "expected a floating topk_weights"):
+                    self._sync_free(args)()
+            else:
+                with self.assertRaisesRegex(RuntimeError, "a rank did not .that rank raised"):
+                    self._sync_free(args)()
+        finally:
+            self._wait_for_every_rank()
+        # the group stays in step
+        self._compare(E=8, D=4, F=4, T=4, k=2, capacity_factor=8.0, sync_free=True)
+
+    def test_a_rank_without_sync_free(self):
+        # the rank that reads the header names the argument; the others assert on the device
+        rank = dist.get_rank()
+        fn = lambda: expert_parallel_moe_ffn(*self._layer(), num_experts=8, capacity_factor=2.0,
+                                             sync_free=rank != 0)
+        try:
+            with self.assertRaisesRegex(
+                    ValueError if rank == 0 else RuntimeError,
+                    r"the same sync_free, but got False on ranks \[0\] and True on ranks"
+                    if rank == 0 else "to pass the same num_experts"):
+                fn()
+        finally:
+            self._wait_for_every_rank()
+
+    def test_sync_free_needs_a_capacity_factor(self):
+        self._every_rank_raises(
+            ValueError, {r: "expert_parallel_moe_ffn: expected a capacity_factor with "
+                         r"sync_free=True" for r in range(4)},
+            self._call(bad_ranks=range(4), sync_free=True))
+        self._every_rank_raises(
+            ValueError, {2: r"expert_parallel_moe_ffn: expected sync_free to be a bool, but got 1"},
+            self._call(edit=lambda args, kw: kw.update(sync_free=1)))
 
 
 class TestExpertParallelCapacityMode(DTensorOpTestBase):

@@ -117,7 +117,7 @@ def _check_experts(w1, w2, w3, x, G, activation):
                          f"{'2 * ' if want != F else ''}w2_local.size(1)), but got {w1.size(2)}")
 
 
-def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit):
+def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free):
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_FN}: expected activation in {ACTIVATIONS}, but got {activation!r}")
     if not isinstance(dedup, bool):
@@ -130,6 +130,12 @@ def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
             factor is not None and math.isfinite(factor) and factor > 0):
         raise ValueError(f"{_FN}: expected capacity_factor to be a finite number > 0 or None, "
                          f"but got {capacity_factor!r}")
+    if not isinstance(sync_free, bool):
+        raise ValueError(f"{_FN}: expected sync_free to be a bool, but got {sync_free!r}")
+    if sync_free and capacity_factor is None:
+        raise ValueError(f"{_FN}: expected a capacity_factor with sync_free=True (only capacity "
+                         "mode has split sizes that every rank knows without an exchange), but "
+                         "got capacity_factor=None")
     for name, v in (("alpha", alpha), ("limit", limit)):
         value = _as_float(v)
         if value is None or math.isnan(value):
@@ -139,12 +145,12 @@ def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
 
 def _local_check_error(x, topk_ids, topk_weights, w1, w2, w3, *, num_experts, num_ranks,
                        activation, alpha, limit, dedup, num_chunks,
-                       capacity_factor) -> Optional[Exception]:
+                       capacity_factor, sync_free) -> Optional[Exception]:
     """The error of the first local check (shapes, dtypes, devices, options) that this rank's
     arguments fail, or None. It is raised with the group (:func:`_raise_with_the_group`)."""
     try:
         _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks)
-        _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit)
+        _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free)
         _check_experts(w1, w2, w3, x, num_experts // num_ranks, activation)
     except (TypeError, ValueError) as e:
         return e

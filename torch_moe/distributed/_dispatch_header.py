@@ -58,11 +58,12 @@ class _Layer:
     alpha: float
     limit: float
     spans: tuple  # ((start, end), ...): the tokens of every chunk
+    sync_free: bool = False  # capacity mode checked on the device, without a host read
 
     @classmethod
     def of(cls, x: Tensor, topk_ids: Tensor, *, num_experts: int, group, activation: str,
            alpha: float, limit: float, dedup: bool, num_chunks: int,
-           capacity_factor: Optional[float]) -> "_Layer":
+           capacity_factor: Optional[float], sync_free: bool = False) -> "_Layer":
         group = group if group is not None else dist.group.WORLD
         R = dist.get_world_size(group)
         G = num_experts // R
@@ -71,7 +72,7 @@ class _Layer:
         return cls(group, R, dist.get_rank(group), num_experts, G, x.size(1), k,
                    min(k, G) if dedup else 1, x.dtype, dedup, num_chunks,
                    None if capacity_factor is None else float(capacity_factor), activation,
-                   float(alpha), float(limit), tuple(zip(bounds[:-1], bounds[1:])))
+                   float(alpha), float(limit), tuple(zip(bounds[:-1], bounds[1:])), sync_free)
 
     def capacity(self, num_tokens: int) -> int:
         """Rows per destination of a chunk of ``num_tokens`` tokens in capacity mode:
@@ -104,8 +105,10 @@ _SIGNATURE = (
     ("activation", lambda L: ACTIVATIONS.index(L.activation), lambda c: ACTIVATIONS[c]),
     ("alpha", lambda L: _float_code(L.alpha), _float_of),
     ("limit", lambda L: _float_code(L.limit), _float_of),
+    ("sync_free", lambda L: int(L.sync_free), bool),
 )
 _S = len(_SIGNATURE)
+_SYNC_FREE = _S - 1
 # A header row: the signature; the sender's argument error (the code of its type in
 # _ERROR_TYPES, 0 when its arguments passed the local checks, and the length of its message in
 # bytes); one column per chunk; then the flags of the ids.
@@ -152,7 +155,8 @@ class _Splits:
 
 def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> list[_Splits]:
     """The first collective of a call: one all-to-all of an int64 header ``[R, S + 2 + 16 + 2]``
-    per rank, whose width depends on no argument, then one device-to-host copy.
+    per rank, whose width depends on no argument, then (but with ``sync_free``) one
+    device-to-host copy.
 
     ``rows_per_dest [R, num_chunks]`` int64 are this rank's rows for every destination and
     chunk (exact mode; unused in capacity mode), ``id_flags [2]`` bool say whether an expert id
@@ -168,21 +172,20 @@ def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> 
     ``ValueError`` naming the ranks with bad ids. Capacity mode copies all but the flags of the
     ids (no value that depends on the tokens) and asserts on the flags on the device (an
     asynchronous assertion: a ``RuntimeError`` on every rank on CPU, a device-side assertion on
-    CUDA)."""
+    CUDA). With ``sync_free`` nothing is copied: see :func:`_check_on_device`."""
     R, n = layer.R, layer.num_chunks
     device = id_flags.device
+    # the signature, then no argument error: type code 0, message of 0 bytes
+    codes = tuple(code(layer) for _, code, _ in _SIGNATURE) + (0, 0)
     if layer.capacity_factor is None:
         columns = rows_per_dest
+        send_prefix = torch.cat([_constant_rows(codes, R, device), columns], 1)
     else:
         caps = [layer.capacity(e - s) for s, e in layer.spans]
-        columns = torch.tensor(caps, dtype=torch.int64, device=device).expand(R, n)
-    # the signature, then no argument error: type code 0, message of 0 bytes
-    signature = torch.tensor([code(layer) for _, code, _ in _SIGNATURE] + [0, 0],
-                             dtype=torch.int64, device=device)
+        send_prefix = _constant_rows(codes + tuple(caps), R, device)
     send = torch.cat([
-        signature.expand(R, _CHUNK),
-        columns,
-        columns.new_zeros(R, _MAX_CHUNKS - n),
+        send_prefix,
+        send_prefix.new_zeros(R, _MAX_CHUNKS - n),
         id_flags.long().view(1, 2).expand(R, 2),
     ], 1)  # row r goes to rank r
     recv = wait_tensor(all_to_all_single(send, None, None, layer.group))
@@ -199,23 +202,76 @@ def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> 
         return [_Splits([row[_CHUNK + c] for row in sent], [row[_CHUNK + c] for row in received],
                         None)
                 for c in range(n)]
+    if layer.sync_free:
+        _check_on_device(send, recv, out_of_range, repeated)
+        return [_Splits([caps[c]] * R, [caps[c]] * R, caps[c]) for c in range(n)]
     received = recv[:, :_OUT_OF_RANGE].tolist()  # the one host read: shapes and arguments
     _raise_argument_errors(received, layer.group, device)
     _check_signatures([row[:_S] for row in received])
+    _assert_no_id_errors(recv, out_of_range, repeated)
+    return [_Splits([caps[c]] * R, [row[_CHUNK + c] for row in received], caps[c])
+            for c in range(n)]
+
+
+# The constant part of a header, keyed by its values: built once per device, so that a
+# steady-state call copies nothing from the host (a blocking host-to-device copy waits for the
+# device, and cannot be captured in a CUDA graph).
+_CONSTANT_ROWS_CACHE: dict = {}
+_CONSTANT_ROWS_CACHE_SIZE = 64
+
+
+def _constant_rows(values: tuple, R: int, device: torch.device) -> Tensor:
+    """``[R, len(values)]`` int64 on ``device``, every row ``values``."""
+    if torch.compiler.is_compiling():
+        # a traced graph holds the values as constants; the cache would only add guards on it
+        return torch.tensor(values, dtype=torch.int64, device=device).expand(R, len(values))
+    key = (values, R, device)
+    rows = _CONSTANT_ROWS_CACHE.get(key)
+    if rows is None:
+        if len(_CONSTANT_ROWS_CACHE) >= _CONSTANT_ROWS_CACHE_SIZE:
+            _CONSTANT_ROWS_CACHE.pop(next(iter(_CONSTANT_ROWS_CACHE)))
+        rows = torch.tensor(values, dtype=torch.int64, device=device).expand(R, len(values))
+        _CONSTANT_ROWS_CACHE[key] = rows
+    return rows
+
+
+def _assert_no_id_errors(recv: Tensor, out_of_range: str, repeated: str) -> None:
     assert_async(recv[:, _OUT_OF_RANGE].eq(0).all(),
                  f"{out_of_range}, but a rank of the expert-parallel group passed an id "
                  "outside that range")
     assert_async(recv[:, _REPEATED].eq(0).all(),
                  f"{repeated}, but a rank of the expert-parallel group repeated an id "
                  "within a token")
-    return [_Splits([caps[c]] * R, [row[_CHUNK + c] for row in received], caps[c])
-            for c in range(n)]
+
+
+def _check_on_device(send: Tensor, recv: Tensor, out_of_range: str, repeated: str) -> None:
+    """The header checks of a ``sync_free`` call, as asynchronous assertions on the device (a
+    ``RuntimeError`` on every rank on CPU, where the assertion is checked at once, before the
+    next collective; a device-side assertion on CUDA): every rank's header must be the one this
+    rank sent (the same signature, the same capacities, hence the same number of tokens) and
+    flag no argument error and no bad id. Every rank receives every rank's header, so every
+    rank that passed its local checks fails the same assertion; a rank that failed them raises
+    its own error (:func:`_raise_with_the_group`)."""
+    # the rows received; the row this rank sent (every row of send is the same up to here)
+    got, want = recv[:, :_OUT_OF_RANGE], send[:1, :_OUT_OF_RANGE]
+    assert_async(got[:, _ERROR_TYPE].eq(0).all(),
+                 f"{_FN}: expected every rank of the expert-parallel group to pass arguments "
+                 "that pass the local checks, but a rank did not (that rank raised the error)")
+    assert_async(got[:, :_S].eq(want[:, :_S]).all(),
+                 f"{_FN}: expected every rank of the expert-parallel group to pass the same "
+                 f"{', '.join(name for name, _, _ in _SIGNATURE)}, but a rank did not "
+                 "(sync_free checks them on the device, without naming the values)")
+    assert_async(got[:, _CHUNK:].eq(want[:, _CHUNK:]).all(),
+                 f"{_FN}: expected every rank of the expert-parallel group to pass the same "
+                 "number of tokens with sync_free=True (every rank then knows the capacity "
+                 "of every other), but a rank did not")
+    _assert_no_id_errors(recv, out_of_range, repeated)
 
 
 def _raise_argument_errors(received: list[list[int]], group, device) -> None:
     """Raises on a rank whose arguments passed the local checks when the header rows
     ``received`` say that other ranks' did not."""
-    error = _argument_error([row[_ERROR_TYPE:_CHUNK] for row in received], None, group, device)
+    error = _argument_error(received, None, group, device)
     if error is not None:
         raise error
 
@@ -231,7 +287,7 @@ def _raise_with_the_group(error: Exception, group, device) -> NoReturn:
                                               else ValueError)
     send[:, _ERROR_BYTES] = len(_carried(error))
     recv = wait_tensor(all_to_all_single(send, None, None, group))
-    raise _argument_error(recv[:, _ERROR_TYPE:_CHUNK].tolist(), error, group, device)
+    raise _argument_error(recv[:, :_CHUNK].tolist(), error, group, device)
 
 
 def _carried(error: Exception) -> bytes:
@@ -242,28 +298,36 @@ def _carried(error: Exception) -> bytes:
     return message.encode()
 
 
-def _argument_error(errors: list[list[int]], own: Optional[Exception], group,
+def _argument_error(rows: list[list[int]], own: Optional[Exception], group,
                     device) -> Optional[Exception]:
     """The exception to raise when some ranks' arguments failed their local checks, else None.
 
-    ``errors[src]`` is the (type code, message bytes) pair of rank ``src``'s header; ``own`` is
-    this rank's error, None when its arguments passed. Every rank raises the type of the lowest
-    failing rank: a failing rank with its own message, the others with one that names the
-    failing ranks and carries their messages, which one more exchange brings them (on this path
-    only, and only when some rank passed: every rank knows from the header whether it comes)."""
-    failing = [src for src, (code, _) in enumerate(errors) if code]
+    ``rows[src]`` is (at least the signature and argument error of) rank ``src``'s header;
+    ``own`` is this rank's error, None when its arguments passed. Every rank raises the type of
+    the lowest failing rank: a failing rank with its own message, the others with one that
+    names the failing ranks and carries their messages, which one more exchange brings them (on
+    this path only, and only when some rank passed: every rank knows from the header whether it
+    comes). A rank that passed with ``sync_free`` reads no header on the host and takes no part
+    in that exchange (its device assertion fails instead): when one did, which every rank sees
+    in its signature, the messages stay where they are."""
+    failing = [src for src, row in enumerate(rows) if row[_ERROR_TYPE]]
     if not failing:
         return None
-    exc_type = _ERROR_TYPES[errors[failing[0]][0]]
+    exc_type = _ERROR_TYPES[rows[failing[0]][_ERROR_TYPE]]
+    passing = [row for row in rows if not row[_ERROR_TYPE]]
     messages = None
-    if len(failing) < len(errors):
-        messages = _exchange_messages(own, [n for _, n in errors], group, device)
+    if passing and not any(row[_SYNC_FREE] for row in passing):
+        messages = _exchange_messages(own, [row[_ERROR_BYTES] for row in rows], group, device)
     if own is not None:
         if type(own) is exc_type:
             return own
         error = exc_type(str(own))
         error.__cause__ = own
         return error
+    if messages is None:
+        return exc_type(f"{_FN}: ranks {failing} of the expert-parallel group passed invalid "
+                        "arguments (their messages are raised there: a rank of the group runs "
+                        "sync_free, which exchanges no message)")
     # "rank 1: expected x to be 2-D ...": the name of the function comes once, in front
     reasons = [f"rank {src}: {messages[src].removeprefix(_FN + ': ')}" for src in failing]
     return exc_type(f"{_FN}: ranks {failing} of the expert-parallel group passed invalid "

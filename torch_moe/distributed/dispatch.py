@@ -61,6 +61,18 @@ receivers. What capacity mode promises:
   expert kernel reads its group offsets on the host: that is the kernel, not the dispatcher
   (on a GPU the offsets stay on the device).
 
+Sync-free capacity mode (``capacity_factor=c, sync_free=True``): every rank passes the same
+number of tokens ``T``, so every rank knows every other's capacity ``C`` and the splits of
+every exchange without reading the header, and the call reads nothing on the host. The header
+is still exchanged, and checked on the device (asynchronous assertions, as the ids above): the
+same signature, the same capacities, no argument error and no bad id on any rank. On CPU these
+raise a ``RuntimeError`` on every rank that passed its checks, before any later collective; a
+rank whose arguments failed its local checks raises its own error. On CUDA they are device-side
+assertions, which end the processes rather than return a wrong result. The constant part of
+the header (signature, capacities) is built once per device, so a steady-state call copies
+nothing from the host either: after a first call outside capture, the layer can be captured
+in a CUDA graph, and its forward traces into one graph with ``torch.compile(fullgraph=True)``.
+
 Counters. Every forward call adds to int64 tensors on the device of ``x`` without host
 synchronisation (the backward moves the same bytes in the opposite direction and is not
 counted again). They are kept per thread: per rank in a real run, and per simulated rank under
@@ -433,6 +445,7 @@ def expert_parallel_moe_ffn(
     dedup: bool = False,
     num_chunks: int = 1,
     capacity_factor: Optional[float] = None,
+    sync_free: bool = False,
 ) -> Tensor:
     """Routed-expert FFN with the experts sharded over the ranks of ``group``.
 
@@ -453,6 +466,8 @@ def expert_parallel_moe_ffn(
             overlap the expert compute of the others.
         capacity_factor: capacity mode (static shapes, overflow dropped and counted); None for
             the exact mode.
+        sync_free: capacity mode without a host read (see "Sync-free capacity mode"): every
+            rank must pass the same number of tokens; the header is checked on the device.
 
     Every argument but the tokens and their routing (``T`` may differ) must agree on every
     rank; the ranks compare their signatures first and all raise the same ``ValueError``
@@ -467,7 +482,7 @@ def expert_parallel_moe_ffn(
     layer, plan, splits = _plan_and_exchange_header(
         x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts=num_experts,
         group=group, activation=activation, alpha=alpha, limit=limit, dedup=dedup,
-        num_chunks=num_chunks, capacity_factor=capacity_factor)
+        num_chunks=num_chunks, capacity_factor=capacity_factor, sync_free=sync_free)
     y, counts = _dispatch_compute_combine(x, topk_ids, topk_weights,
                                           _LocalExperts(w1_local, w2_local, w3_local), layer,
                                           plan, splits)
@@ -543,15 +558,15 @@ def _dispatch_tokens(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1_local
                      w2_local: Tensor, w3_local: Optional[Tensor], *, num_experts: int,
                      group: Optional[dist.ProcessGroup] = None, activation: str = "swiglu",
                      alpha: float = 1.702, limit: float = 7.0, dedup: bool = False,
-                     num_chunks: int = 1,
-                     capacity_factor: Optional[float] = None) -> _Dispatched:
+                     num_chunks: int = 1, capacity_factor: Optional[float] = None,
+                     sync_free: bool = False) -> _Dispatched:
     """Steps 1 to 3 of :func:`expert_parallel_moe_ffn` (same arguments, the same errors on
     every rank): the local checks, the row plan, the header exchange and the start of every
     chunk's exchange. The weights are checked here, not used."""
     layer, plan, splits = _plan_and_exchange_header(
         x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts=num_experts,
         group=group, activation=activation, alpha=alpha, limit=limit, dedup=dedup,
-        num_chunks=num_chunks, capacity_factor=capacity_factor)
+        num_chunks=num_chunks, capacity_factor=capacity_factor, sync_free=sync_free)
     return _start_exchange(x, topk_ids, topk_weights, layer, plan, splits)
 
 
