@@ -59,6 +59,13 @@ tokens and get the same, whole gradients. The counts
 (it would take the token-parallel path of :mod:`torch_moe.distributed.tensor`, which rejects
 these placements): pass each rank's local tokens.
 
+Replicas of hot experts (``ExpertParallel(slots_per_rank=S)`` or ``placement=``): the layer
+keeps ``R * S >= E`` physical expert slots, ``Shard(0)`` DTensors ``[R * S, ...]`` whose extra
+slots replicate hot experts; the input function routes the router's logical ids to the slots
+and dispatches over them. What a training loop calls on such layers (the replica gradient
+reduction, rebalancing, checkpoints of the placement) is in
+:mod:`torch_moe.distributed.replicas`.
+
 Not supported (raise at parallelize time): ``precision`` other than ``"bf16"`` (the
 expert-parallel dispatcher runs the plain grouped FFN) and ``capacity_factor`` (the styles are
 dropless).
@@ -141,6 +148,8 @@ from torch_moe.distributed.dispatch import (
     _received_rows,
     expert_parallel_moe_ffn,
 )
+from torch_moe.distributed.placement import Placement, plan_placement, route_to_replicas
+from torch_moe.distributed.replicas import _layout, _physical_weight, _register_layout
 from torch_moe.nn.modules.moe import GroupedExperts, MoE
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
@@ -335,6 +344,22 @@ class _ExpertStyle(ParallelStyle):
         return f"{type(self).__name__}({'' if options is None else f'dispatch_options={options}'})"
 
 
+def _route_to_slots(topk_ids: Tensor, placement: Placement) -> Tensor:
+    """The physical slots ``[T, k]`` of the router's logical ``topk_ids [T, k]``
+    (:func:`~torch_moe.distributed.placement.route_to_replicas`).
+
+    An id outside ``[0, E)`` becomes ``P``, outside the dispatcher's range: the dispatcher's
+    header then reports it on every rank, where ``route_to_replicas`` would raise on this rank
+    alone and leave the others waiting in the exchange. Ids that are not a ``[T, k]`` integer
+    tensor are passed on as they are, to the dispatcher's checks, for the same reason."""
+    if not (isinstance(topk_ids, Tensor) and topk_ids.dim() == 2
+            and topk_ids.dtype in (torch.int32, torch.int64)):
+        return topk_ids
+    valid = (topk_ids >= 0) & (topk_ids < placement.num_logical)
+    slots = route_to_replicas(torch.where(valid, topk_ids, 0), placement)
+    return torch.where(valid, slots, placement.num_physical)
+
+
 class _PendingCall(NamedTuple):
     """One forward of expert-parallel experts between its input function and its end."""
 
@@ -381,6 +406,11 @@ class _ExpertParallelHooks:
         c = module.config
         _check_config(self.name, c)  # the config may have changed since parallelize time
         x, topk_weights, topk_ids = inputs[_X], inputs[_TOPK_WEIGHTS], inputs[_TOPK_IDS]
+        num_experts = c.num_experts
+        layout = _layout(module)
+        if layout is not None:
+            topk_ids = _route_to_slots(topk_ids, layout.placement)
+            num_experts = layout.placement.num_physical
         if self.tp_mesh is not None:
             x = _copy_to_tensor_parallel(x, self.tp_mesh, True)
             topk_weights = _copy_to_tensor_parallel(topk_weights, self.tp_mesh, True)
@@ -397,7 +427,7 @@ class _ExpertParallelHooks:
             w1, w2, w3 = (module._parameters.get(n) for n in _WEIGHTS)
             dispatched = _dispatch_tokens(
                 x.to(w1.dtype), topk_ids, topk_weights, w1, w2, w3,
-                num_experts=c.num_experts, group=self.ep_group, activation=c.activation,
+                num_experts=num_experts, group=self.ep_group, activation=c.activation,
                 alpha=c.swiglu_alpha, limit=c.swiglu_limit, **self.options)
             call = self._calls.pending = call._replace(dispatched=dispatched)
             rows, ids, weights = _received_rows(dispatched)
@@ -489,6 +519,26 @@ class ExpertParallel(_DispatchingStyle):
             exchanges therefore do not overlap the expert compute, as they do when
             ``expert_parallel_moe_ffn`` is called directly. The results do not depend on
             ``num_chunks``.
+        slots_per_rank (int, optional): ``S``, physical expert slots per rank, with
+            ``R * S >= E``: the layer keeps ``P = R * S`` physical experts, the ``P - E`` extra
+            ones replicas of hot experts (see :mod:`torch_moe.distributed.replicas`). The
+            initial placement is ``plan_placement(torch.ones(E), R, S)``.
+        placement (Placement, optional): the initial
+            :class:`~torch_moe.distributed.placement.Placement` of the ``E`` experts over the
+            ``R`` ranks instead (e.g. planned from a measured load, or a checkpoint's).
+
+    With replicas every expert weight is a ``Shard(0)`` DTensor of ``P`` physical slots
+    (``w1 [P, D, F]``, ...), slot ``p`` on rank ``p // S`` holding logical expert
+    ``placement.phys_to_logical[p]``, built from the logical ``[E, ...]`` weights; ``E`` need
+    not divide by ``R``. The input function routes every assignment to one replica of its
+    expert (:func:`~torch_moe.distributed.placement.route_to_replicas`) and dispatches over the
+    ``P`` slots; ``MoE.tokens_per_expert`` counts logical experts. Outputs and token gradients
+    are those of the layer without replicas; each replica's weight gradient covers the tokens it
+    served, and :func:`~torch_moe.distributed.replicas.reduce_replica_grads_` (once per
+    optimizer step) sums them into the expert's gradient, which is then the gradient without
+    replicas. :func:`~torch_moe.distributed.replicas.rebalance_experts_` re-plans from the loads.
+    Not supported with replicas: the dispatcher's capacity mode (``capacity_factor`` in
+    ``dispatch_options``), and sharding the physical weights further (FSDP).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -496,10 +546,84 @@ class ExpertParallel(_DispatchingStyle):
         >>> moe = MoE(MoEConfig(dim=1024, hidden_dim=2048, num_experts=8, top_k=2))
         >>> parallelize_module(moe, ep_mesh, ExpertParallel())  # 2 experts per rank
         >>> y = moe(x)  # x: this rank's tokens [B, L, 1024]
+        >>> # 3 slots per rank, 12 for 8 experts: 4 replicas of hot experts
+        >>> parallelize_module(moe2, ep_mesh, ExpertParallel(slots_per_rank=3))
     """
+
+    def __init__(self, *, dispatch_options: Optional[dict[str, Any]] = None,
+                 slots_per_rank: Optional[int] = None, placement: Optional[Placement] = None):
+        super().__init__(dispatch_options=dispatch_options)
+        name = type(self).__name__
+        if slots_per_rank is not None and (isinstance(slots_per_rank, bool) or not isinstance(
+                slots_per_rank, int) or slots_per_rank < 1):
+            raise ValueError(f"{name}: expected slots_per_rank to be a positive int or None, "
+                             f"but got {slots_per_rank!r}")
+        if placement is not None:
+            if not isinstance(placement, Placement):
+                raise ValueError(f"{name}: expected placement to be a Placement or None, but "
+                                 f"got {type(placement).__name__}")
+            if slots_per_rank is not None and slots_per_rank != placement.slots_per_rank:
+                raise ValueError(f"{name}: slots_per_rank={slots_per_rank} disagrees with the "
+                                 f"placement's {placement.slots_per_rank} slots per rank; pass "
+                                 "one of them")
+        replicated = slots_per_rank is not None or placement is not None
+        if replicated and "capacity_factor" in self.dispatch_options:
+            raise NotImplementedError(
+                f"{name}: the capacity mode of the dispatcher (dispatch_options "
+                "capacity_factor) is not supported with replicas (slots_per_rank / placement)")
+        self.slots_per_rank = slots_per_rank
+        self.placement = placement
+
+    def _replicated(self) -> bool:
+        return self.slots_per_rank is not None or self.placement is not None
+
+    def _initial_placement(self, experts: GroupedExperts, mesh: DeviceMesh) -> Placement:
+        if self.placement is not None:
+            return self.placement
+        # no load observed yet: an even load, whose extra slots go to the lowest expert ids
+        E = experts.config.num_experts
+        return plan_placement(torch.ones(E), mesh.size(0), self.slots_per_rank)
+
+    def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+        if not self._replicated():
+            return super()._check_sizes(experts, mesh)
+        name, E, R = type(self).__name__, experts.config.num_experts, mesh.size(0)
+        if self.placement is not None:
+            pl = self.placement
+            if pl.num_ranks != R or pl.num_logical != E:
+                raise ValueError(f"{name}: expected a placement of the {E} experts over the "
+                                 f"{R} ranks of the expert-parallel mesh, but got one of "
+                                 f"{pl.num_logical} experts over {pl.num_ranks} ranks")
+        elif R * self.slots_per_rank < E:
+            raise ValueError(f"{name}: expected slots_per_rank ({self.slots_per_rank}) x the "
+                             f"expert-parallel degree ({R}) >= num_experts ({E}), one slot "
+                             f"per expert at least, but got {R * self.slots_per_rank} slots")
+
+    def _partition_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not (self._replicated() and isinstance(module, GroupedExperts)):
+            return super()._partition_fn(name, module, device_mesh)
+        placement = self._initial_placement(module, device_mesh)
+        for w in _WEIGHTS:
+            param = getattr(module, w)
+            if param is None:
+                continue
+            physical = distribute_tensor(_physical_weight(param, placement), device_mesh,
+                                         [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(
+                w, nn.Parameter(physical, requires_grad=param.requires_grad))
+        _register_layout(module, placement, device_mesh)
 
     def _placements(self, name: str) -> list:
         return [Shard(0)]
+
+    def __repr__(self) -> str:
+        args = [f"dispatch_options={self.dispatch_options}"]
+        if self.slots_per_rank is not None:
+            args.append(f"slots_per_rank={self.slots_per_rank}")
+        if self.placement is not None:
+            args.append(f"placement=<{self.placement.num_logical} experts in "
+                        f"{self.placement.num_physical} slots>")
+        return f"{type(self).__name__}({', '.join(args)})"
 
 
 class ExpertTensorParallel(_DispatchingStyle):
