@@ -2,7 +2,9 @@
 """Expert placement with replicas (``torch_moe.distributed.placement``), single process.
 
 The load is a Zipf-skewed ``tokens_per_expert`` (E=64, exponent 1.2, fixed seed) placed on
-R=8 ranks with 8 slots per rank (no replicas) and 10 slots per rank (16 replicas).
+R=8 ranks with 8 slots per rank (no replicas) and 10 slots per rank (16 replicas). The
+replication target (max / mean rank load <= 1.1 on a Zipf(1.2) load) is checked at a few
+``(E, R, S)``, the demo's E=8 among them.
 
 Run: ``python -m pytest test/distributed/test_placement.py -q`` from the repo root, or
 ``python test/distributed/test_placement.py``.
@@ -214,6 +216,27 @@ class TestPlacement(TestCase):
         self.assertLess(time.perf_counter() - start, 5.0)
         self.assertEqual(p.num_physical, 1024 * 64)
         self.assertEqual(int(p.num_replicas.sum()), 1024 * 64)
+
+
+    # the target of replication on a Zipf(1.2) router: max / mean rank load <= 1.1 with one
+    # extra slot per rank at the demo's E = 8 on 2 and 4 ranks and at larger layers, where
+    # the best placement without replicas stays far above it (8 seeds each; the figures are
+    # in the comments, min-max over the seeds)
+    @parametrize("shape", [
+        (8, 2, 5),  # 1.010-1.021; S = 4: 1.109-1.119
+        (8, 4, 3),  # 1.024-1.034; S = 2: 1.852-1.865
+        (16, 4, 5),  # 1.001-1.008; S = 4: 1.627-1.646
+        (64, 8, 9),  # 1.000-1.001; S = 8: 2.452-2.470
+    ], name_fn=lambda shape: "E{}_R{}_S{}".format(*shape))
+    def test_zipf_target_with_one_extra_slot_per_rank(self, shape):
+        num_experts, num_ranks, slots = shape
+        for seed in range(8):
+            load = zipf_load(num_experts, 1.2, total=100_000, seed=seed)
+            with self.subTest(seed=seed):
+                self.assertLessEqual(
+                    plan_placement(load, num_ranks, slots).imbalance(load), 1.1)
+                self.assertGreater(plan_placement(
+                    load, num_ranks, num_experts // num_ranks).imbalance(load), 1.1)
 
 
 instantiate_parametrized_tests(TestPlacement)

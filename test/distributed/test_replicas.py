@@ -126,6 +126,13 @@ class TestReplicas(DTensorOpTestBase):
         with self.assertRaisesRegex(NotImplementedError, "capacity mode .* not supported with "
                                     "replicas"):
             ExpertParallel(slots_per_rank=3, dispatch_options=dict(capacity_factor=1.5))
+        ExpertParallel(slots_per_rank=3, dispatch_options=dict(capacity_factor=None))
+        # an expert id out of range on one rank: every rank raises (the dispatcher's check)
+        moe = skewed_moe()
+        parallelize_module(moe, mesh, ExpertParallel(slots_per_rank=3))
+        ids = torch.tensor([[0, 1], [2, E if self.rank == 2 else 3]])
+        with self.assertRaisesRegex(ValueError, "expert id"):
+            moe.experts(torch.randn(2, D), None, None, torch.ones(2, K), ids)
         plain = make_moe()
         parallelize_module(plain, mesh, ExpertParallel())
         for fn in (expert_placement, logical_expert_weights):
@@ -161,13 +168,19 @@ class TestReplicas(DTensorOpTestBase):
                 self.assertIn("slots_per_rank", repr(style))
 
     def test_forward_backward(self):
+        for options in ({}, {"dedup": True, "num_chunks": 2}):
+            with self.subTest(**options):
+                self._check_forward_backward(options)
+
+    def _check_forward_backward(self, options):
         R = self.world_size
         moe, ref = skewed_moe(), skewed_moe()
         # replicas of the hottest experts, so that they do receive tokens
         load = torch.exp(ref.router.bias.detach())
         placement = plan_placement(load, R, 3)
         self.assertGreater(int((placement.num_replicas > 1).sum()), 0)
-        parallelize_module(moe, self.mesh(), ExpertParallel(placement=placement))
+        parallelize_module(moe, self.mesh(), ExpertParallel(placement=placement,
+                                                            dispatch_options=options))
 
         xs, ts = step_tokens(0, R, 0)
         x = xs[self.rank].clone().requires_grad_()

@@ -567,7 +567,7 @@ class ExpertParallel(_DispatchingStyle):
                                  f"placement's {placement.slots_per_rank} slots per rank; pass "
                                  "one of them")
         replicated = slots_per_rank is not None or placement is not None
-        if replicated and "capacity_factor" in self.dispatch_options:
+        if replicated and self.dispatch_options.get("capacity_factor") is not None:
             raise NotImplementedError(
                 f"{name}: the capacity mode of the dispatcher (dispatch_options "
                 "capacity_factor) is not supported with replicas (slots_per_rank / placement)")
