@@ -82,6 +82,93 @@ def loss_of(y, t):
     return ((y - t) ** 2).mean()
 
 
+def assert_replicas_identical(test, moe):
+    placement = expert_placement(moe)
+    for name in WEIGHTS:
+        full = getattr(moe.experts, name).full_tensor()
+        first = full[placement.logical_to_phys[:, 0][placement.phys_to_logical]]
+        test.assertEqual(full, first, atol=0, rtol=0, msg=name)
+
+
+def train_step(test, moe, optimizer, step, ep):
+    """One step of two micro-batches; returns the loss of the step (mean over micro-batches
+    and ranks). With ``ep`` the model is this rank's expert-parallel one; otherwise the
+    single-process reference on every rank's tokens."""
+    R, micro = test.world_size, 2
+    losses = []
+    for m in range(micro):
+        xs, ts = step_tokens(step, R, m)
+        if ep:
+            loss = loss_of(moe(xs[test.rank]), ts[test.rank]) / micro
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total / R)
+        else:
+            loss = sum(loss_of(moe(x), t) for x, t in zip(xs, ts)) / (R * micro)
+            loss.backward()
+            losses.append(loss.detach())
+    if ep:
+        # the data-parallel mean of the replicated parameters (router); the experts' 1 / R
+        # is the style's
+        for p in moe.parameters():
+            if not isinstance(p, DTensor) and p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= R
+        reduce_replica_grads_(moe)
+    optimizer.step()
+    optimizer.zero_grad()
+    return sum(losses)
+
+
+def check_training_matches_single_process(test, mesh):
+    """5 AdamW steps of two micro-batches on ``mesh`` (1-D, every rank), a rebalance from the
+    all-reduced loads after step 2, against the single-process run on the same tokens: losses
+    every step, logical parameters and Adam moments at the end, replicas bit-identical."""
+    R = test.world_size
+    moe, ref = skewed_moe(), skewed_moe()
+    parallelize_module(moe, mesh, ExpertParallel(slots_per_rank=3))
+    initial = expert_placement(moe)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(1, 6):
+        loss = train_step(test, moe, opt, step, ep=True)
+        ref_loss = train_step(test, ref, ref_opt, step, ep=False)
+        test.assertEqual(loss, ref_loss, **TOL, msg=f"step {step}")
+        if step == 2:
+            # tokens_per_expert holds this rank's logical counts of the two steps
+            load = moe.tokens_per_expert.clone()
+            dist.all_reduce(load)
+            moe.reset_load_stats()
+            params = {n: getattr(moe.experts, n) for n in WEIGHTS}
+            storages = {n: p.to_local().data_ptr() for n, p in params.items()}
+            [result] = rebalance_experts_([moe], load[None], opt)
+            test.assertTrue(result.moved)
+            test.assertLess(result.imbalance_after, result.imbalance_before)
+            test.assertEqual(result.imbalance_after, expert_placement(moe).imbalance(load))
+            # the same parameters and storages: the optimizer's references stay valid
+            for n, p in params.items():
+                test.assertIs(getattr(moe.experts, n), p)
+                test.assertEqual(p.to_local().data_ptr(), storages[n])
+    test.assertFalse(torch.equal(expert_placement(moe).phys_to_logical,
+                                 initial.phys_to_logical))
+    assert_replicas_identical(test, moe)
+    logical = logical_expert_weights(moe)
+    for name in WEIGHTS:
+        test.assertEqual(logical[name], getattr(ref.experts, name), **TOL, msg=name)
+    test.assertEqual(moe.router.weight, ref.router.weight, **TOL)
+    test.assertEqual(moe.router.bias, ref.router.bias, **TOL)
+    # the optimizer state moved with the weights: Adam's moments of every replica are
+    # those of its expert in the reference
+    placement = expert_placement(moe)
+    for name in WEIGHTS:
+        p, ref_p = getattr(moe.experts, name), getattr(ref.experts, name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            test.assertEqual(opt.state[p][key].full_tensor(),
+                             ref_opt.state[ref_p][key][placement.phys_to_logical],
+                             **TOL, msg=f"{name} {key}")
+
+
 @unittest.skipIf(not HAS_DIST, "torch.distributed is not available")
 class TestReplicas(DTensorOpTestBase):
     @property
@@ -94,13 +181,6 @@ class TestReplicas(DTensorOpTestBase):
 
     def mesh(self):
         return init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("ep",))
-
-    def assert_replicas_identical(self, moe):
-        placement = expert_placement(moe)
-        for name in WEIGHTS:
-            full = getattr(moe.experts, name).full_tensor()
-            first = full[placement.logical_to_phys[:, 0][placement.phys_to_logical]]
-            self.assertEqual(full, first, atol=0, rtol=0, msg=name)
 
     def test_parallelize_errors(self):
         mesh = self.mesh()
@@ -210,79 +290,8 @@ class TestReplicas(DTensorOpTestBase):
             self.assertEqual(grad.full_tensor(), expected[placement.phys_to_logical], **TOL,
                              msg=name)
 
-    def _train(self, moe, optimizer, step, ep):
-        """One step of two micro-batches; returns the loss of the step (mean over micro-batches
-        and ranks). With ``ep`` the model is this rank's expert-parallel one; otherwise the
-        single-process reference on every rank's tokens."""
-        R, micro = self.world_size, 2
-        losses = []
-        for m in range(micro):
-            xs, ts = step_tokens(step, R, m)
-            if ep:
-                loss = loss_of(moe(xs[self.rank]), ts[self.rank]) / micro
-                loss.backward()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                losses.append(total / R)
-            else:
-                loss = sum(loss_of(moe(x), t) for x, t in zip(xs, ts)) / (R * micro)
-                loss.backward()
-                losses.append(loss.detach())
-        if ep:
-            # the data-parallel mean of the replicated parameters (router); the experts' 1 / R
-            # is the style's
-            for p in moe.parameters():
-                if not isinstance(p, DTensor) and p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= R
-            reduce_replica_grads_(moe)
-        optimizer.step()
-        optimizer.zero_grad()
-        return sum(losses)
-
     def test_training_matches_single_process(self):
-        R = self.world_size
-        moe, ref = skewed_moe(), skewed_moe()
-        parallelize_module(moe, self.mesh(), ExpertParallel(slots_per_rank=3))
-        initial = expert_placement(moe)
-        opt = torch.optim.AdamW(moe.parameters(), lr=1e-2, weight_decay=0.01)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-        for step in range(1, 6):
-            loss = self._train(moe, opt, step, ep=True)
-            ref_loss = self._train(ref, ref_opt, step, ep=False)
-            self.assertEqual(loss, ref_loss, **TOL, msg=f"step {step}")
-            if step == 2:
-                # tokens_per_expert holds this rank's logical counts of the two steps
-                load = moe.tokens_per_expert.clone()
-                dist.all_reduce(load)
-                moe.reset_load_stats()
-                params = {n: getattr(moe.experts, n) for n in WEIGHTS}
-                storages = {n: p.to_local().data_ptr() for n, p in params.items()}
-                [result] = rebalance_experts_([moe], load[None], opt)
-                self.assertTrue(result.moved)
-                self.assertLess(result.imbalance_after, result.imbalance_before)
-                self.assertEqual(result.imbalance_after, expert_placement(moe).imbalance(load))
-                # the same parameters and storages: the optimizer's references stay valid
-                for n, p in params.items():
-                    self.assertIs(getattr(moe.experts, n), p)
-                    self.assertEqual(p.to_local().data_ptr(), storages[n])
-        self.assertFalse(torch.equal(expert_placement(moe).phys_to_logical,
-                                     initial.phys_to_logical))
-        self.assert_replicas_identical(moe)
-        logical = logical_expert_weights(moe)
-        for name in WEIGHTS:
-            self.assertEqual(logical[name], getattr(ref.experts, name), **TOL, msg=name)
-        self.assertEqual(moe.router.weight, ref.router.weight, **TOL)
-        self.assertEqual(moe.router.bias, ref.router.bias, **TOL)
-        # the optimizer state moved with the weights: Adam's moments of every replica are
-        # those of its expert in the reference
-        placement = expert_placement(moe)
-        for name in WEIGHTS:
-            p, ref_p = getattr(moe.experts, name), getattr(ref.experts, name)
-            for key in ("exp_avg", "exp_avg_sq"):
-                self.assertEqual(opt.state[p][key].full_tensor(),
-                                 ref_opt.state[ref_p][key][placement.phys_to_logical],
-                                 atol=1e-6, rtol=1e-5, msg=f"{name} {key}")
+        check_training_matches_single_process(self, self.mesh())
 
     def test_rebalance_errors(self):
         moe = skewed_moe()
@@ -318,7 +327,7 @@ class TestReplicas(DTensorOpTestBase):
         parallelize_module(moe, self.mesh(), ExpertParallel(slots_per_rank=3))
         opt = torch.optim.AdamW(moe.parameters(), lr=1e-2)
         for step in range(1, 3):
-            self._train(moe, opt, step, ep=True)
+            train_step(self, moe, opt, step, ep=True)
         load = torch.exp(moe.router.bias.detach()) * 1000
         rebalance_experts_([moe], load.round()[None], opt)
         # the same directory on every rank (threads of one process)
@@ -333,7 +342,7 @@ class TestReplicas(DTensorOpTestBase):
         fresh = skewed_moe()
         parallelize_module(fresh, self.mesh(), ExpertParallel(slots_per_rank=3))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-        self._train(fresh, fresh_opt, 9, ep=True)  # create the optimizer state
+        train_step(self, fresh, fresh_opt, 9, ep=True)  # create the optimizer state
         model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
         state = {"model": model_sd, "optim": optim_sd, "placement": placement_state_dict(fresh)}
         dcp.load(state, checkpoint_id=path[0])
@@ -345,8 +354,8 @@ class TestReplicas(DTensorOpTestBase):
             self.assertEqual(getattr(fresh.experts, n).full_tensor(), saved[n], atol=0, rtol=0)
         # both continue identically, bit for bit
         for step in (3, 4):
-            a = self._train(moe, opt, step, ep=True)
-            b = self._train(fresh, fresh_opt, step, ep=True)
+            a = train_step(self, moe, opt, step, ep=True)
+            b = train_step(self, fresh, fresh_opt, step, ep=True)
             self.assertEqual(a, b, atol=0, rtol=0)
         for n in WEIGHTS:
             self.assertEqual(getattr(fresh.experts, n).full_tensor(),
