@@ -126,15 +126,18 @@ def _experts_of(fn: str, module) -> GroupedExperts:
     return experts
 
 
-def _replicated_in(modules) -> list:
+def _replicated_in(fn: str, modules) -> list:
     """Every replicated GroupedExperts in ``modules`` (a module or an iterable of modules,
     searched with ``.modules()``), in order, each once."""
     if isinstance(modules, nn.Module):
         modules = [modules]
+    elif not isinstance(modules, Iterable):
+        raise ValueError(f"{fn}: expected a module or an iterable of modules, but got "
+                         f"{type(modules).__name__}")
     found, seen = [], set()
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise ValueError(f"expected nn.Module s, but got {type(m).__name__}")
+            raise ValueError(f"{fn}: expected modules, but got a {type(m).__name__}")
         for sub in m.modules():
             if id(sub) not in seen and _layout(sub) is not None:
                 seen.add(id(sub))
@@ -182,7 +185,7 @@ def reduce_replica_grads_(modules: Union[nn.Module, Iterable[nn.Module]]) -> Non
     fn = "reduce_replica_grads_"
     # (group, dtype, device) -> [group, [(local grad [S, ...], local slots, buffer rows, n)]]
     buckets: dict = {}
-    for experts in _replicated_in(modules):
+    for experts in _replicated_in(fn, modules):
         layout = _layout(experts)
         placement = layout.placement
         multi_E = placement.num_replicas > 1
@@ -224,9 +227,10 @@ class Rebalanced(NamedTuple):
 
 
 def _gather_check(fn: str, loads_NE: Optional[Tensor], error: Optional[str], shape: tuple,
-                  group) -> None:
+                  group, device: torch.device) -> None:
     """Every rank of ``group`` checks that every rank passes the same loads, or raises the same
-    error: one all_gather of ``[1 + N * E]`` float64 (a flag, then the loads)."""
+    error: one all_gather of ``[1 + N * E]`` float64 (a flag, then the loads) on ``device``,
+    the device of the expert weights (which the group's backend sends from)."""
     numel = 1 + shape[0] * shape[1]
     mine = torch.zeros(numel, dtype=torch.float64)
     if error is not None:
@@ -234,8 +238,9 @@ def _gather_check(fn: str, loads_NE: Optional[Tensor], error: Optional[str], sha
     else:
         mine[1:] = loads_NE.reshape(-1)
     world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = [torch.empty(numel, dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    gathered = [t.cpu() for t in gathered]
     failed = [r for r, t in enumerate(gathered) if t[0] != 0]
     if failed:
         if error is not None:
@@ -339,7 +344,8 @@ def rebalance_experts_(modules: Sequence[nn.Module], loads,
     if error is None and with_grad:
         error = (f"{fn}: expected the expert weights to have no gradient (rebalance after "
                  f"optimizer.step() and optimizer.zero_grad()), but {with_grad} have one")
-    _gather_check(fn, loads_NE, error, (len(layers), E), group)
+    device = next(iter(_weights(layers[0]).values())).device
+    _gather_check(fn, loads_NE, error, (len(layers), E), group, device)
 
     results = []
     for experts, layout, load_E in zip(layers, layouts, loads_NE):
@@ -356,7 +362,8 @@ def rebalance_experts_(modules: Sequence[nn.Module], loads,
             for key, t in state.items():
                 t.copy_(rows[key])
             layout.placement = new
-        results.append(Rebalanced(old.imbalance(load_E), new.imbalance(load_E), moved, new))
+        results.append(Rebalanced(old.imbalance(load_E), new.imbalance(load_E), moved,
+                                  layout.placement))
     return results
 
 

@@ -375,7 +375,8 @@ class _ExpertParallelHooks:
 
     * :meth:`input_fn` (``input_fn`` of :func:`distribute_module`, a forward pre-hook): takes
       ``(x [T, D], sorted_ids, offs, topk_weights [T, k], topk_ids [T, k])`` (the local sort is
-      not used: tokens go by the router's ids), swaps the registered DTensor weights for their
+      not used: tokens go by the router's ids; with replicas, the ids are mapped to physical
+      slots first, :func:`_route_to_slots`), swaps the registered DTensor weights for their
       local shards (:func:`_local_expert_shard`), plans the rows, exchanges the header and the
       rows with the ``ep`` group and returns the inputs of the local experts: ``(rows [M, D],
       sorted_ids, offs [G], weights [M, W])``, the received rows sorted by local expert;
