@@ -18,6 +18,8 @@ hot experts are not the first ids) and compares with the unsharded layer in one 
 * a training run of 5 AdamW steps of two micro-batches each, with a rebalance from the
   all-reduced loads after step 2: the losses and the logical parameters after the last step
   equal those of the single-process run on the same tokens, and the replicas stay bit-identical;
+* a model of two replicated layers (different ``S``) and a plain one: one reduction, one
+  rebalance of both, which keeps the logical weights bit for bit;
 * rebalance errors (gradients present, loads that differ between ranks, wrong shape), raised
   the same on every rank;
 * a DCP save and load of the physical weights, optimizer state and placement tables, bit-exact.
@@ -292,6 +294,41 @@ class TestReplicas(DTensorOpTestBase):
 
     def test_training_matches_single_process(self):
         check_training_matches_single_process(self, self.mesh())
+
+    def test_two_layers(self):
+        # one reduction and one rebalance for a model of two replicated layers with different
+        # slots (the gradients share one all_reduce buffer), and a layer without replicas
+        R = self.world_size
+        layers = [skewed_moe() for _ in range(3)]
+        refs = [skewed_moe() for _ in range(3)]
+        for moe, style in zip(layers, (ExpertParallel(slots_per_rank=3),
+                                       ExpertParallel(slots_per_rank=4), ExpertParallel())):
+            parallelize_module(moe, self.mesh(), style)
+        model, ref = torch.nn.Sequential(*layers), torch.nn.Sequential(*refs)
+        xs, ts = step_tokens(0, R, 0)
+        loss_of(model(xs[self.rank]), ts[self.rank]).backward()
+        sum(loss_of(ref(x), t) for x, t in zip(xs, ts)).backward()
+        reduce_replica_grads_(model)
+        for i in range(2):
+            placement = expert_placement(layers[i])
+            for name in WEIGHTS:
+                expected = getattr(refs[i].experts, name).grad / R
+                self.assertEqual(getattr(layers[i].experts, name).grad.full_tensor(),
+                                 expected[placement.phys_to_logical], **TOL, msg=f"{i} {name}")
+        model.zero_grad()
+        loads = torch.stack([torch.exp(m.router.bias.detach()) * (100 + 10 * i)
+                             for i, m in enumerate(layers[:2])]).round()
+        before = [logical_expert_weights(m) for m in layers[:2]]
+        results = rebalance_experts_(layers[:2], loads)
+        self.assertEqual([r.moved for r in results], [True, True])
+        for moe, result, weights in zip(layers, results, before):
+            self.assertIs(expert_placement(moe), result.placement)
+            self.assertEqual(result.placement.slots_per_rank,
+                             moe.experts.w1.shape[0] // R)
+            self.assertLessEqual(result.imbalance_after, result.imbalance_before)
+            for name, w in logical_expert_weights(moe).items():
+                self.assertEqual(w, weights[name], atol=0, rtol=0)
+            assert_replicas_identical(self, moe)
 
     def test_rebalance_errors(self):
         moe = skewed_moe()
