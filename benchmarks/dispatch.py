@@ -26,6 +26,16 @@ round-robin with a barrier before every call; the table gives each rank-0 median
 to one chunk. On 2 CPU cores gloo's transfer threads share the cores with the expert GEMMs, so
 this measures the scheduling cost of chunking more than the overlap a GPU (separate copy
 engines) would get.
+
+    python benchmarks/dispatch.py --nccl       # one process per GPU (at least 2), NCCL
+
+``--nccl`` times the same call with CUDA tensors on NCCL, bf16, a DeepSeek-V3-like slice (8
+experts per rank, k = 8, D = 2048, F = 1408, 4096 tokens per rank): exact mode plain and dedup
+with 1, 2 and 4 chunks (the overlap of one chunk's exchanges with another's experts on the
+communication stream), sync-free capacity mode, and ``backend="symm_mem"`` where torch has
+NVSHMEM. CUDA events time every call after a barrier; the table gives the slowest rank's
+median and its ratio to exact plain with one chunk, and the CSV goes to
+``results/dispatch_nccl.csv``.
 """
 
 from __future__ import annotations
@@ -156,9 +166,103 @@ def overlap_main(reps: int, csv_path: str) -> None:
     print(f"\nwrote {csv_path}")
 
 
+def _nccl_variants(symm_mem: bool) -> list[dict]:
+    variants = [dict(dedup=d, num_chunks=c) for d in (False, True) for c in (1, 2, 4)]
+    variants.append(dict(dedup=True, capacity_factor=1.25, sync_free=True))
+    if symm_mem:
+        variants += [dict(backend="symm_mem"), dict(backend="symm_mem", dedup=True)]
+    return variants
+
+
+def _nccl_rank(rank: int, world_size: int, port: int, reps: int, out_path: str) -> None:
+    import json
+    import os
+    import statistics
+
+    import torch.distributed as dist
+
+    from torch_moe.distributed._compat import symm_mem_unavailable_reason
+    from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    symm_mem = symm_mem_unavailable_reason(device) is None
+    if symm_mem:
+        import torch.distributed._symmetric_memory as symm
+
+        if symm.get_backend(device) is None:
+            symm.set_backend("NVSHMEM")
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    G, k, T, D, F = 8, 8, 4096, 2048, 1408
+    E = G * world_size
+    g = torch.Generator().manual_seed(rank)
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    x = torch.randn(T, D, generator=g).to(**bf16).requires_grad_()
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.to(device)
+    w = torch.rand(T, k, generator=g).to(device).requires_grad_()
+    w1, w3 = (torch.randn(G, D, F, generator=g).div_(D**0.5).to(**bf16).requires_grad_()
+              for _ in range(2))
+    w2 = torch.randn(G, F, D, generator=g).div_(F**0.5).to(**bf16).requires_grad_()
+    variants = _nccl_variants(symm_mem)
+    times = [[] for _ in variants]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for rep in range(reps + 2):
+        for i, options in enumerate(variants):
+            dist.barrier()
+            start.record()
+            y = expert_parallel_moe_ffn(x, ids, w, w1, w2, w3, num_experts=E, **options)
+            y.float().sum().backward()
+            end.record()
+            end.synchronize()
+            if rep >= 2:  # warm-up: Triton compiles and autotunes, buffers are allocated
+                times[i].append(start.elapsed_time(end))
+            for t in (x, w, w1, w2, w3):
+                t.grad = None
+    medians = torch.tensor([statistics.median(t) for t in times], device=device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    if rank == 0:
+        rows = [{"kind": "nccl", "ranks": world_size, "T": T, "D": D, "F": F, "E": E, "k": k,
+                 "options": " ".join(f"{n}={v}" for n, v in o.items()),
+                 "median_ms": f"{m:.3f}", "vs_exact_plain": f"{medians[0].item() / m:.2f}x"}
+                for o, m in zip(variants, medians.tolist())]
+        Path(out_path).write_text(json.dumps(rows))
+    destroy_process_group()
+
+
+def nccl_main(reps: int, csv_path: str) -> None:
+    import json
+    import socket
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    world_size = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size < 2 or not dist.is_nccl_available():
+        raise SystemExit(f"dispatch.py --nccl: needs at least 2 CUDA devices and NCCL, but this "
+                         f"machine has {world_size} device(s) and NCCL "
+                         f"{'available' if dist.is_nccl_available() else 'not available'}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print("\n".join(environment_header()))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.spawn(_nccl_rank, args=(world_size, port, reps, out), nprocs=world_size)
+        rows = json.loads(Path(out).read_text())
+    print(f"expert_parallel_moe_ffn forward + backward, {world_size} NCCL ranks, bf16, slowest "
+          "rank's median:")
+    print(format_table(rows, list(rows[0])))
+    write_csv(csv_path, rows)
+    print(f"\nwrote {csv_path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gloo-overlap", action="store_true")
+    parser.add_argument("--nccl", action="store_true",
+                        help="time the dispatcher on NCCL, one process per GPU")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
@@ -166,6 +270,9 @@ def main() -> None:
         "--csv", default=str(Path(__file__).resolve().parent / "results" / "dispatch.csv")
     )
     args = parser.parse_args()
+    if args.nccl:
+        nccl_main(args.reps, str(Path(args.csv).with_name("dispatch_nccl.csv")))
+        return
     if args.gloo_overlap:
         overlap_main(args.reps, str(Path(args.csv).with_name("dispatch_overlap.csv")))
         return

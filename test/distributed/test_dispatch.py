@@ -692,7 +692,7 @@ class TestSyncFreeCapacityMode(TestArgumentErrorsOnSomeRanks):
         args = self._layer(T=4 + (dist.get_rank() == 3))
         self._every_rank_raises_the_same(
             RuntimeError, "expected every rank of the expert-parallel group to pass the same "
-            "number of tokens with sync_free=True", self._sync_free(args))
+            "number of tokens with sync_free=True or backend=.symm_mem.", self._sync_free(args))
 
     def test_ranks_disagreeing_on_the_layer_raise_on_every_rank(self):
         rank = dist.get_rank()

@@ -17,6 +17,11 @@ Functional collectives are what the dispatcher needs on both of its paths:
 
 PyTorch has no public spelling of either; the functions here keep the signatures of
 ``torch.distributed.all_to_all_single`` (split sizes along dim 0, ``None`` for equal splits).
+
+Symmetric memory (``torch.distributed._symmetric_memory``, NVSHMEM on CUDA) is the dispatcher's
+``backend="symm_mem"``: ``symm_mem::all_to_all_vdev`` moves rows whose split sizes live on the
+device, so that a dropless exchange needs no host synchronisation. Its buffers are allocated
+collectively and must be of the same size on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ __all__ = [
     "all_to_all_single_autograd",
     "wait_tensor",
     "object_collective_device",
+    "symm_mem_unavailable_reason",
+    "symm_mem_empty",
+    "all_to_all_vdev",
 ]
 
 
@@ -82,3 +90,54 @@ def object_collective_device(group: dist.ProcessGroup) -> torch.device:
     from torch.distributed.distributed_c10d import _get_object_coll_device
 
     return torch.device(_get_object_coll_device(group))
+
+
+def _symm_mem():
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return symm_mem
+
+
+def symm_mem_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why ``all_to_all_vdev`` cannot run on ``device``, or None when it can: it needs a CUDA
+    device, a torch built with NVSHMEM, and NVSHMEM as the symmetric-memory backend of the
+    device (``torch.distributed._symmetric_memory.set_backend("NVSHMEM")`` before the first
+    symmetric allocation)."""
+    if device.type != "cuda":
+        return f"it needs CUDA tensors, but got tensors on {device}"
+    try:
+        symm_mem = _symm_mem()
+    except ImportError:
+        return "this torch has no torch.distributed._symmetric_memory"
+    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev"):
+        return "this torch has no symm_mem::all_to_all_vdev"
+    if not symm_mem.is_nvshmem_available():
+        return "this torch was built without NVSHMEM"
+    backend = symm_mem.get_backend(device)
+    if backend is not None and backend != "NVSHMEM":
+        return (f"the symmetric-memory backend of {device} is {backend!r}; call "
+                "torch.distributed._symmetric_memory.set_backend('NVSHMEM') before the first "
+                "symmetric allocation")
+    return None
+
+
+def symm_mem_empty(shape: tuple, dtype: torch.dtype, device: torch.device,
+                   group: dist.ProcessGroup) -> Tensor:
+    """A symmetric-memory tensor of ``shape`` on ``device``, rendezvoused over ``group``
+    (collective: every rank of ``group`` allocates the same shape)."""
+    symm_mem = _symm_mem()
+    t = symm_mem.empty(*shape, dtype=dtype, device=device)
+    symm_mem.rendezvous(t, group.group_name)
+    return t
+
+
+def all_to_all_vdev(input: Tensor, out: Tensor, in_splits: Tensor, out_splits_offsets: Tensor,
+                    group: dist.ProcessGroup) -> None:
+    """``symm_mem::all_to_all_vdev`` along dim 0: ``input`` holds the rows for every destination
+    packed in rank order, ``in_splits[d]`` of them for rank ``d`` (rows past their sum are not
+    sent); writes into ``out`` the rows from every source packed in rank order and into
+    ``out_splits_offsets [2, R]`` how many came from every source and where they start. All
+    four are symmetric-memory tensors (:func:`symm_mem_empty`); the split sizes never leave the
+    device."""
+    torch.ops.symm_mem.all_to_all_vdev(input, out, in_splits, out_splits_offsets,
+                                       group.group_name)

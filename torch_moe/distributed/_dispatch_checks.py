@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
-from torch_moe.distributed._dispatch_header import _DTYPES, _FN, _MAX_CHUNKS
+from torch_moe.distributed._compat import symm_mem_unavailable_reason
+from torch_moe.distributed._dispatch_header import _DTYPES, _FN, _MAX_CHUNKS, BACKENDS
 
 
 def _is_int(v) -> bool:
@@ -117,7 +118,8 @@ def _check_experts(w1, w2, w3, x, G, activation):
                          f"{'2 * ' if want != F else ''}w2_local.size(1)), but got {w1.size(2)}")
 
 
-def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free):
+def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free,
+                   backend):
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_FN}: expected activation in {ACTIVATIONS}, but got {activation!r}")
     if not isinstance(dedup, bool):
@@ -136,6 +138,14 @@ def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit,
         raise ValueError(f"{_FN}: expected a capacity_factor with sync_free=True (only capacity "
                          "mode has split sizes that every rank knows without an exchange), but "
                          "got capacity_factor=None")
+    if backend not in BACKENDS:
+        raise ValueError(f"{_FN}: expected backend in {BACKENDS}, but got {backend!r}")
+    if backend == "symm_mem" and (capacity_factor is not None or sync_free):
+        raise ValueError(f"{_FN}: expected backend='symm_mem' without capacity_factor and "
+                         "sync_free (it runs the exact mode without a host read; capacity mode "
+                         "has static split sizes, which the default backend exchanges with "
+                         f"sync_free=True), but got capacity_factor={capacity_factor!r}, "
+                         f"sync_free={sync_free!r}")
     for name, v in (("alpha", alpha), ("limit", limit)):
         value = _as_float(v)
         if value is None or math.isnan(value):
@@ -145,12 +155,17 @@ def _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit,
 
 def _local_check_error(x, topk_ids, topk_weights, w1, w2, w3, *, num_experts, num_ranks,
                        activation, alpha, limit, dedup, num_chunks,
-                       capacity_factor, sync_free) -> Optional[Exception]:
+                       capacity_factor, sync_free, backend) -> Optional[Exception]:
     """The error of the first local check (shapes, dtypes, devices, options) that this rank's
     arguments fail, or None. It is raised with the group (:func:`_raise_with_the_group`)."""
     try:
         _check_tensors(x, topk_ids, topk_weights, num_experts, num_ranks)
-        _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free)
+        _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free,
+                       backend)
+        if backend == "symm_mem":
+            reason = symm_mem_unavailable_reason(x.device)
+            if reason is not None:
+                raise ValueError(f"{_FN}: backend='symm_mem' cannot run here: {reason}")
         _check_experts(w1, w2, w3, x, num_experts // num_ranks, activation)
     except (TypeError, ValueError) as e:
         return e

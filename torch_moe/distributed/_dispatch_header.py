@@ -36,6 +36,8 @@ _FN = "expert_parallel_moe_ffn"
 _MAX_CHUNKS = 16
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# the transports of the row exchanges: all_to_all_single, or symm_mem::all_to_all_vdev
+BACKENDS = ("c10d", "symm_mem")
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,13 @@ class _Layer:
     limit: float
     spans: tuple  # ((start, end), ...): the tokens of every chunk
     sync_free: bool = False  # capacity mode checked on the device, without a host read
+    backend: str = "c10d"  # one of BACKENDS
 
     @classmethod
     def of(cls, x: Tensor, topk_ids: Tensor, *, num_experts: int, group, activation: str,
            alpha: float, limit: float, dedup: bool, num_chunks: int,
-           capacity_factor: Optional[float], sync_free: bool = False) -> "_Layer":
+           capacity_factor: Optional[float], sync_free: bool = False,
+           backend: str = "c10d") -> "_Layer":
         group = group if group is not None else dist.group.WORLD
         R = dist.get_world_size(group)
         G = num_experts // R
@@ -72,7 +76,8 @@ class _Layer:
         return cls(group, R, dist.get_rank(group), num_experts, G, x.size(1), k,
                    min(k, G) if dedup else 1, x.dtype, dedup, num_chunks,
                    None if capacity_factor is None else float(capacity_factor), activation,
-                   float(alpha), float(limit), tuple(zip(bounds[:-1], bounds[1:])), sync_free)
+                   float(alpha), float(limit), tuple(zip(bounds[:-1], bounds[1:])), sync_free,
+                   backend)
 
     def capacity(self, num_tokens: int) -> int:
         """Rows per destination of a chunk of ``num_tokens`` tokens in capacity mode:
@@ -81,6 +86,22 @@ class _Layer:
         most = num_tokens if self.dedup else num_tokens * self.k
         wanted = min(float(most), self.capacity_factor * num_tokens * self.k / self.R)
         return max(1, math.ceil(wanted))
+
+
+    def rows_bound(self, num_tokens: int) -> int:
+        """``backend="symm_mem"``: the most rows a chunk of ``num_tokens`` tokens sends to one
+        destination (every assignment there, or with dedup every token), at least 1."""
+        return max(1, num_tokens if self.dedup else num_tokens * self.k)
+
+    def send_bound(self, num_tokens: int) -> int:
+        """``backend="symm_mem"``: the most rows a chunk of ``num_tokens`` tokens sends (one per
+        assignment, or with dedup one per token and destination), at least 1."""
+        return max(1, num_tokens * (min(self.k, self.R) if self.dedup else self.k))
+
+    @property
+    def header_on_device(self) -> bool:
+        """Whether the header is checked on the device, without a host read."""
+        return self.sync_free or self.backend == "symm_mem"
 
 
 def _float_code(v: float) -> int:
@@ -106,9 +127,10 @@ _SIGNATURE = (
     ("alpha", lambda L: _float_code(L.alpha), _float_of),
     ("limit", lambda L: _float_code(L.limit), _float_of),
     ("sync_free", lambda L: int(L.sync_free), bool),
+    ("backend", lambda L: BACKENDS.index(L.backend), lambda c: BACKENDS[c]),
 )
 _S = len(_SIGNATURE)
-_SYNC_FREE = _S - 1
+_SYNC_FREE, _BACKEND = _S - 2, _S - 1
 # A header row: the signature; the sender's argument error (the code of its type in
 # _ERROR_TYPES, 0 when its arguments passed the local checks, and the length of its message in
 # bytes); one column per chunk; then the flags of the ids.
@@ -152,6 +174,29 @@ class _Splits:
     recv: list[int]
     capacity: Optional[int]
 
+    @property
+    def num_send(self) -> int:
+        """Rows of the send buffer."""
+        return sum(self.send)
+
+    @property
+    def num_recv(self) -> int:
+        """Rows of the receive buffer."""
+        return sum(self.recv)
+
+
+@dataclass
+class _DeviceSplits:
+    """One chunk's exchange with ``backend="symm_mem"``: the rows for every destination stay on
+    the device, and so do the rows received (which the exchange returns), in buffers of
+    host-known bounds."""
+
+    send: Tensor  # [R] int64, rows to every destination
+    num_send: int  # rows of the send buffer: at least send.sum(), the rest padding
+    num_recv: int  # rows of the receive buffer: the most this rank can receive
+    recv: Optional[Tensor] = None  # [R] int64, rows from every source: set by the rows exchange
+    capacity = None  # exact mode: nothing dropped
+
 
 def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> list[_Splits]:
     """The first collective of a call: one all-to-all of an int64 header ``[R, S + 2 + 16 + 2]``
@@ -172,12 +217,16 @@ def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> 
     ``ValueError`` naming the ranks with bad ids. Capacity mode copies all but the flags of the
     ids (no value that depends on the tokens) and asserts on the flags on the device (an
     asynchronous assertion: a ``RuntimeError`` on every rank on CPU, a device-side assertion on
-    CUDA). With ``sync_free`` nothing is copied: see :func:`_check_on_device`."""
+    CUDA). With ``sync_free`` or ``backend="symm_mem"`` nothing is copied: see
+    :func:`_check_on_device`; the splits of ``symm_mem`` are :class:`_DeviceSplits`."""
     R, n = layer.R, layer.num_chunks
     device = id_flags.device
     # the signature, then no argument error: type code 0, message of 0 bytes
     codes = tuple(code(layer) for _, code, _ in _SIGNATURE) + (0, 0)
-    if layer.capacity_factor is None:
+    if layer.backend == "symm_mem":
+        # the tokens of every chunk, which must agree: they bound the buffers of every rank
+        send_prefix = _constant_rows(codes + tuple(e - s for s, e in layer.spans), R, device)
+    elif layer.capacity_factor is None:
         columns = rows_per_dest
         send_prefix = torch.cat([_constant_rows(codes, R, device), columns], 1)
     else:
@@ -190,6 +239,11 @@ def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> 
     ], 1)  # row r goes to rank r
     recv = wait_tensor(all_to_all_single(send, None, None, layer.group))
     out_of_range, repeated = _id_errors(layer.num_experts, layer.W)
+    if layer.backend == "symm_mem":
+        _check_on_device(send, recv, out_of_range, repeated)
+        return [_DeviceSplits(rows_per_dest[:, c].contiguous(), layer.send_bound(e - s),
+                              R * layer.rows_bound(e - s))
+                for c, (s, e) in enumerate(layer.spans)]
     if layer.capacity_factor is None:
         sent, received = torch.stack([send, recv]).tolist()  # the host synchronisation
         _raise_argument_errors(received, layer.group, device)
@@ -245,13 +299,13 @@ def _assert_no_id_errors(recv: Tensor, out_of_range: str, repeated: str) -> None
 
 
 def _check_on_device(send: Tensor, recv: Tensor, out_of_range: str, repeated: str) -> None:
-    """The header checks of a ``sync_free`` call, as asynchronous assertions on the device (a
-    ``RuntimeError`` on every rank on CPU, where the assertion is checked at once, before the
-    next collective; a device-side assertion on CUDA): every rank's header must be the one this
-    rank sent (the same signature, the same capacities, hence the same number of tokens) and
-    flag no argument error and no bad id. Every rank receives every rank's header, so every
-    rank that passed its local checks fails the same assertion; a rank that failed them raises
-    its own error (:func:`_raise_with_the_group`)."""
+    """The header checks of a ``sync_free`` or ``backend="symm_mem"`` call, as asynchronous
+    assertions on the device (a ``RuntimeError`` on every rank on CPU, where the assertion is
+    checked at once, before the next collective; a device-side assertion on CUDA): every rank's
+    header must be the one this rank sent (the same signature, the same capacities or chunk
+    sizes, hence the same number of tokens) and flag no argument error and no bad id. Every
+    rank receives every rank's header, so every rank that passed its local checks fails the same
+    assertion; a rank that failed them raises its own error (:func:`_raise_with_the_group`)."""
     # the rows received; the row this rank sent (every row of send is the same up to here)
     got, want = recv[:, :_OUT_OF_RANGE], send[:1, :_OUT_OF_RANGE]
     assert_async(got[:, _ERROR_TYPE].eq(0).all(),
@@ -260,11 +314,11 @@ def _check_on_device(send: Tensor, recv: Tensor, out_of_range: str, repeated: st
     assert_async(got[:, :_S].eq(want[:, :_S]).all(),
                  f"{_FN}: expected every rank of the expert-parallel group to pass the same "
                  f"{', '.join(name for name, _, _ in _SIGNATURE)}, but a rank did not "
-                 "(sync_free checks them on the device, without naming the values)")
+                 "(checked on the device, without naming the values)")
     assert_async(got[:, _CHUNK:].eq(want[:, _CHUNK:]).all(),
                  f"{_FN}: expected every rank of the expert-parallel group to pass the same "
-                 "number of tokens with sync_free=True (every rank then knows the capacity "
-                 "of every other), but a rank did not")
+                 "number of tokens with sync_free=True or backend='symm_mem' (every rank then "
+                 "knows the buffer sizes of every other), but a rank did not")
     _assert_no_id_errors(recv, out_of_range, repeated)
 
 
@@ -307,16 +361,17 @@ def _argument_error(rows: list[list[int]], own: Optional[Exception], group,
     the lowest failing rank: a failing rank with its own message, the others with one that
     names the failing ranks and carries their messages, which one more exchange brings them (on
     this path only, and only when some rank passed: every rank knows from the header whether it
-    comes). A rank that passed with ``sync_free`` reads no header on the host and takes no part
-    in that exchange (its device assertion fails instead): when one did, which every rank sees
-    in its signature, the messages stay where they are."""
+    comes). A rank that passed with ``sync_free`` or ``backend="symm_mem"`` reads no header on
+    the host and takes no part in that exchange (its device assertion fails instead): when one
+    did, which every rank sees in its signature, the messages stay where they are."""
     failing = [src for src, row in enumerate(rows) if row[_ERROR_TYPE]]
     if not failing:
         return None
     exc_type = _ERROR_TYPES[rows[failing[0]][_ERROR_TYPE]]
     passing = [row for row in rows if not row[_ERROR_TYPE]]
     messages = None
-    if passing and not any(row[_SYNC_FREE] for row in passing):
+    if passing and not any(row[_SYNC_FREE] or BACKENDS[row[_BACKEND]] == "symm_mem"
+                           for row in passing):
         messages = _exchange_messages(own, [row[_ERROR_BYTES] for row in rows], group, device)
     if own is not None:
         if type(own) is exc_type:
@@ -326,8 +381,9 @@ def _argument_error(rows: list[list[int]], own: Optional[Exception], group,
         return error
     if messages is None:
         return exc_type(f"{_FN}: ranks {failing} of the expert-parallel group passed invalid "
-                        "arguments (their messages are raised there: a rank of the group runs "
-                        "sync_free, which exchanges no message)")
+                        "arguments (their messages are raised there: a rank of the group checks "
+                        "the header on the device, sync_free or backend='symm_mem', and "
+                        "exchanges no message)")
     # "rank 1: expected x to be 2-D ...": the name of the function comes once, in front
     reasons = [f"rank {src}: {messages[src].removeprefix(_FN + ': ')}" for src in failing]
     return exc_type(f"{_FN}: ranks {failing} of the expert-parallel group passed invalid "

@@ -73,6 +73,31 @@ the header (signature, capacities) is built once per device, so a steady-state c
 nothing from the host either: after a first call outside capture, the layer can be captured
 in a CUDA graph, and its forward traces into one graph with ``torch.compile(fullgraph=True)``.
 
+Symmetric memory (``backend="symm_mem"``, CUDA with NVSHMEM): the exact mode without a host
+read. The row exchanges are ``symm_mem::all_to_all_vdev`` (through
+:mod:`torch_moe.distributed._symm_mem_exchange`), whose split sizes are device tensors: the
+rows per destination come from the row plan on the device, and the rows received from every
+source are written on the device by the exchange. So no rank needs the counts on the host, and
+the header is checked on the device as in sync-free capacity mode (the same number of tokens
+on every rank, the same signature). The buffers have sizes fixed by bounds: a chunk of
+``T_c`` tokens sends at most ``T_c * k`` rows (with dedup ``T_c * min(k, R)``) and a rank
+receives at most ``R * T_c * k`` (with dedup ``R * T_c``), which is what every rank allocates;
+the received rows past those of the call hold the unused id ``G`` and zero weights, which the
+local experts skip, and the results go back with the received split sizes. The exchanges run
+in the current stream, one after another (the receive buffers are reused by the next call), so
+``num_chunks > 1`` splits the work but does not overlap it. Dropless only: capacity mode has
+static split sizes, which the default backend exchanges without a host read
+(``sync_free=True``). Call ``torch.distributed._symmetric_memory.set_backend("NVSHMEM")``
+before the first symmetric allocation of the process.
+
+Streams. With the default backend the exchanges are functional collectives: on NCCL they run
+on the process group's communication stream, which waits for the work queued before them on
+the current stream, and the first use of a result makes the current stream wait for the
+collective (``wait_tensor``); NCCL keeps the inputs alive until the collective has run
+(``record_stream`` on its stream). So with ``num_chunks > 1`` one chunk's exchanges run on the
+communication stream while another chunk's experts run on the compute stream, with no host
+wait; on gloo the same overlap comes from gloo's worker threads.
+
 Counters. Every forward call adds to int64 tensors on the device of ``x`` without host
 synchronisation (the backward moves the same bytes in the opposite direction and is not
 counted again). They are kept per thread: per rank in a real run, and per simulated rank under
@@ -133,12 +158,14 @@ from torch_moe.distributed._compat import (
 )
 from torch_moe.distributed._dispatch_checks import _local_check_error, _resolve_group
 from torch_moe.distributed._dispatch_header import (
+    _DeviceSplits,
     _exchange_header,
     _header_device,
     _Layer,
     _raise_with_the_group,
     _Splits,
 )
+from torch_moe.distributed._symm_mem_exchange import exchange_rows
 
 __all__ = [
     "expert_parallel_moe_ffn",
@@ -294,7 +321,7 @@ def _pack(topk_ids: Tensor, topk_weights: Tensor, plan: _RowPlan, layer: _Layer,
     G, R, W, capacity = layer.G, layer.R, layer.W, splits.capacity
     device = topk_ids.device
     if capacity is None:
-        num_rows = sum(splits.send)
+        num_rows = splits.num_send  # with symm_mem a bound: the rows past the plan's are empty
         slot = plan.row_A
         kept_per_dest = dropped = None
     else:
@@ -322,12 +349,20 @@ def _pack(topk_ids: Tensor, topk_weights: Tensor, plan: _RowPlan, layer: _Layer,
                         kept_per_dest, dropped)
 
 
-def _send_rows(x_chunk: Tensor, buffers: _SendBuffers, group) -> _Received:
+def _send_rows(x_chunk: Tensor, buffers: _SendBuffers, layer: _Layer) -> _Received:
     """Starts the exchange of one chunk: its rows (differentiable), local expert ids and
     routing weights (differentiable), with functional all-to-alls that run in the
-    background."""
-    sp = buffers.splits
+    background, or with ``backend="symm_mem"`` exchanges in the current stream whose split
+    sizes stay on the device (the rows past those received hold the unused id ``G``)."""
+    sp, group = buffers.splits, layer.group
     rows = x_chunk.index_select(0, buffers.token_N)
+    if isinstance(sp, _DeviceSplits):
+        rows_MD, sp.recv = exchange_rows(rows, sp.send, sp.num_recv, group, "rows")
+        ids_MW, _ = exchange_rows(buffers.ids_NW, sp.send, sp.num_recv, group, "ids",
+                                  fill=layer.G)
+        weights_MW, _ = exchange_rows(buffers.weights_NW, sp.send, sp.num_recv, group,
+                                      "weights")
+        return _Received(rows_MD, ids_MW, weights_MW)
     return _Received(
         all_to_all_single_autograd(rows, sp.recv, sp.send, group),
         all_to_all_single(buffers.ids_NW, sp.recv, sp.send, group),
@@ -376,8 +411,16 @@ def _compute_experts(received: _Received, splits: _Splits, experts: _LocalExpert
     out, _ = torch.ops.torch_moe.grouped_ffn(
         received.rows_MD, sorted_ids, offs[:G], received.weights_MW, *experts,
         layer.activation, layer.alpha, layer.limit)
-    returning = all_to_all_single_autograd(out, splits.send, splits.recv, layer.group)
-    return _Computed(returning, ids, counts[:G])
+    return _Computed(_send_back(out, splits, layer), ids, counts[:G])
+
+
+def _send_back(out_MD: Tensor, splits, layer: _Layer) -> Tensor:
+    """Starts the weighted expert sums ``out_MD [M, D]`` of one received chunk back to their
+    sources: ``[N, D]`` in the order of the sources' send buffers (the reverse exchange)."""
+    if isinstance(splits, _DeviceSplits):
+        return exchange_rows(out_MD, splits.recv, splits.num_send, layer.group,
+                             "combine")[0]
+    return all_to_all_single_autograd(out_MD, splits.send, splits.recv, layer.group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,13 +448,25 @@ def _combine(x: Tensor, layer: _Layer, buffers: list[_SendBuffers],
 def _call_counts(layer: _Layer, buffers: list[_SendBuffers], ids_MW: list[Tensor],
                  load_G: Tensor) -> dict[str, Tensor]:
     """The device counters of this call: ``last_expert_load`` (``load_G [G]``, the assignments
-    each local expert computed), and in capacity mode the row counts and ``dropped``, which only
-    the device knows (padding rows carry the unused id ``G`` alone); ``ids_MW`` are the
-    received local expert ids of every chunk."""
+    each local expert computed), in capacity mode the row counts and ``dropped``, and with
+    ``backend="symm_mem"`` the row and byte counts, which only the device knows (padding rows
+    carry the unused id ``G`` alone); ``ids_MW`` are the received local expert ids of every
+    chunk."""
     rank = layer.rank
     stats: dict[str, Tensor] = {"last_expert_load": load_G}
+    dispatch_row, combine_row = _row_bytes(layer)
     for buf, ids in zip(buffers, ids_MW):
         sp = buf.splits
+        if isinstance(sp, _DeviceSplits):
+            sent, recv = sp.send.sum(), sp.recv.sum()
+            sent_remote, recv_remote = sent - sp.send[rank], recv - sp.recv[rank]
+            _add(stats, "rows_sent", sent)
+            _add(stats, "rows_received", recv)
+            _add(stats, "rows_sent_remote", sent_remote)
+            _add(stats, "rows_received_remote", recv_remote)
+            _add(stats, "bytes_sent", sent_remote * dispatch_row + recv_remote * combine_row)
+            _add(stats, "bytes_received", recv_remote * dispatch_row + sent_remote * combine_row)
+            continue
         if sp.capacity is None:
             continue
         used = (ids < layer.G).any(1).long()
@@ -446,6 +501,7 @@ def expert_parallel_moe_ffn(
     num_chunks: int = 1,
     capacity_factor: Optional[float] = None,
     sync_free: bool = False,
+    backend: str = "c10d",
 ) -> Tensor:
     """Routed-expert FFN with the experts sharded over the ranks of ``group``.
 
@@ -468,6 +524,9 @@ def expert_parallel_moe_ffn(
             the exact mode.
         sync_free: capacity mode without a host read (see "Sync-free capacity mode"): every
             rank must pass the same number of tokens; the header is checked on the device.
+        backend: ``"c10d"``, the row exchanges are ``all_to_all_single`` of the group's
+            backend (NCCL, gloo, ...); ``"symm_mem"``, ``symm_mem::all_to_all_vdev`` on CUDA
+            with NVSHMEM: the exact mode without a host read (see "Symmetric memory").
 
     Every argument but the tokens and their routing (``T`` may differ) must agree on every
     rank; the ranks compare their signatures first and all raise the same ``ValueError``
@@ -482,11 +541,12 @@ def expert_parallel_moe_ffn(
     layer, plan, splits = _plan_and_exchange_header(
         x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts=num_experts,
         group=group, activation=activation, alpha=alpha, limit=limit, dedup=dedup,
-        num_chunks=num_chunks, capacity_factor=capacity_factor, sync_free=sync_free)
+        num_chunks=num_chunks, capacity_factor=capacity_factor, sync_free=sync_free,
+        backend=backend)
     y, counts = _dispatch_compute_combine(x, topk_ids, topk_weights,
                                           _LocalExperts(w1_local, w2_local, w3_local), layer,
                                           plan, splits)
-    _record_traffic(layer, splits, counts, x.element_size(), x.device)
+    _record_traffic(layer, splits, counts, x.device)
     return y
 
 
@@ -523,7 +583,7 @@ def _start_exchange(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layer: _L
     """Step 3: every chunk's send buffers, and its rows started towards their experts."""
     buffers = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
                for (s, e), p, sp in zip(layer.spans, plan.chunks, splits)]
-    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer.group)
+    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer)
                 for (s, e), buf in zip(layer.spans, buffers)]
     return _Dispatched(x, layer, splits, buffers, received)
 
@@ -559,14 +619,15 @@ def _dispatch_tokens(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1_local
                      group: Optional[dist.ProcessGroup] = None, activation: str = "swiglu",
                      alpha: float = 1.702, limit: float = 7.0, dedup: bool = False,
                      num_chunks: int = 1, capacity_factor: Optional[float] = None,
-                     sync_free: bool = False) -> _Dispatched:
+                     sync_free: bool = False, backend: str = "c10d") -> _Dispatched:
     """Steps 1 to 3 of :func:`expert_parallel_moe_ffn` (same arguments, the same errors on
     every rank): the local checks, the row plan, the header exchange and the start of every
     chunk's exchange. The weights are checked here, not used."""
     layer, plan, splits = _plan_and_exchange_header(
         x, topk_ids, topk_weights, w1_local, w2_local, w3_local, num_experts=num_experts,
         group=group, activation=activation, alpha=alpha, limit=limit, dedup=dedup,
-        num_chunks=num_chunks, capacity_factor=capacity_factor, sync_free=sync_free)
+        num_chunks=num_chunks, capacity_factor=capacity_factor, sync_free=sync_free,
+        backend=backend)
     return _start_exchange(x, topk_ids, topk_weights, layer, plan, splits)
 
 
@@ -589,23 +650,29 @@ def _combine_rows(dispatched: _Dispatched, out_MD: Tensor, ids_MW: Tensor,
     sources and are added into ``y [T, D]`` in ``x.dtype``; the counters are recorded."""
     x, layer, splits, buffers = dispatched.x, dispatched.layer, dispatched.splits, \
         dispatched.buffers
-    sizes = [sum(sp.recv) for sp in splits]
-    returning = [all_to_all_single_autograd(out, sp.send, sp.recv, layer.group)
-                 for out, sp in zip(out_MD.split(sizes), splits)]
+    sizes = [sp.num_recv for sp in splits]
+    returning = [_send_back(out, sp, layer) for out, sp in zip(out_MD.split(sizes), splits)]
     y = _combine(x, layer, buffers, returning)
     counts = _call_counts(layer, buffers, list(ids_MW.split(sizes)), load_G)
-    _record_traffic(layer, splits, counts, x.element_size(), x.device)
+    _record_traffic(layer, splits, counts, x.device)
     return y
 
 
-def _record_traffic(layer: _Layer, splits: list[_Splits], stats: dict, elem_bytes: int,
-                    device) -> None:
-    rank, D, W = layer.rank, layer.D, layer.W
-    dispatch_row = D * elem_bytes + W * (torch.finfo(_WEIGHT_DTYPE).bits // 8
-                                         + torch.iinfo(_ID_DTYPE).bits // 8)
-    combine_row = D * elem_bytes
+def _row_bytes(layer: _Layer) -> tuple[int, int]:
+    """Bytes of a dispatched row (the token values, then W (id, weight) pairs) and of a
+    returned one (the values)."""
+    elem_bytes = layer.dtype.itemsize
+    pair = torch.finfo(_WEIGHT_DTYPE).bits // 8 + torch.iinfo(_ID_DTYPE).bits // 8
+    return layer.D * elem_bytes + layer.W * pair, layer.D * elem_bytes
+
+
+def _record_traffic(layer: _Layer, splits: list, stats: dict, device) -> None:
+    rank = layer.rank
+    dispatch_row, combine_row = _row_bytes(layer)
     _count("calls", 1, device)
     for sp in splits:
+        if isinstance(sp, _DeviceSplits):
+            continue  # counted on the device, in stats
         # wire rows: the rows (padding included) to and from other ranks
         sent_remote = sum(sp.send) - sp.send[rank]
         recv_remote = sum(sp.recv) - sp.recv[rank]
@@ -618,7 +685,7 @@ def _record_traffic(layer: _Layer, splits: list[_Splits], stats: dict, elem_byte
             _count("rows_sent_remote", sent_remote, device)
             _count("rows_received_remote", recv_remote, device)
     for name in ("rows_sent", "rows_received", "rows_sent_remote", "rows_received_remote",
-                 "dropped"):
+                 "bytes_sent", "bytes_received", "dropped"):
         if name in stats:
             _count(name, stats[name], device)
     _counters()["last_expert_load"] = stats["last_expert_load"]
