@@ -357,6 +357,13 @@ class TestReplicas(DTensorOpTestBase):
         [result] = rebalance_experts_([moe], load[None], opt)
         self.assertTrue(result.moved)
         self.assertIsNot(expert_placement(moe), before)
+        # a placement that serves the load at least as well as a new plan is kept
+        kept = expert_placement(moe)
+        [again] = rebalance_experts_([moe], load[None], opt)
+        self.assertFalse(again.moved)
+        self.assertIs(expert_placement(moe), kept)
+        self.assertIs(again.placement, kept)
+        self.assertEqual(again.imbalance_after, again.imbalance_before)
 
     def test_checkpoint_save_load_bit_exact(self):
         R = self.world_size

@@ -221,9 +221,9 @@ class Rebalanced(NamedTuple):
     rank over the mean rank load (:meth:`Placement.imbalance`) for the given load."""
 
     imbalance_before: float  # under the old placement
-    imbalance_after: float  # under the new one
-    moved: bool  # False when the new placement is the old one (nothing was moved)
-    placement: Placement  # the new placement
+    imbalance_after: float  # under the placement now in use
+    moved: bool  # False when the old placement was kept (nothing was moved)
+    placement: Placement  # the placement now in use
 
 
 def _gather_check(fn: str, loads_NE: Optional[Tensor], error: Optional[str], shape: tuple,
@@ -294,8 +294,10 @@ def rebalance_experts_(modules: Sequence[nn.Module], loads,
     """Re-plans the placement of replicated layers from their loads and moves the weights and
     the optimizer state to it, in place.
 
-    For each layer: ``new = plan_placement(load, R, S)`` (``S`` unchanged); when it differs from
-    the current placement, every physical weight and every per-slot optimizer state tensor (the
+    For each layer: ``new = plan_placement(load, R, S)`` (``S`` unchanged); when it balances
+    ``load`` better than the current placement (a lower max / mean rank load; the planner is a
+    greedy heuristic, and a placement planned for an earlier load can be better), every
+    physical weight and every per-slot optimizer state tensor (the
     tensors placed like the weight: Adam's ``exp_avg``, ``exp_avg_sq``, ...; ``step`` and other
     0-dim state are shared by all slots and stay) is laid out under ``new`` with
     :func:`~torch_moe.distributed.placement.rebalance_distributed_` (each new slot takes the
@@ -320,7 +322,7 @@ def rebalance_experts_(modules: Sequence[nn.Module], loads,
 
     Returns:
         One :class:`Rebalanced` per module: max / mean rank load before and after, whether
-        anything moved, and the new placement.
+        anything moved, and the placement now in use.
     """
     fn = "rebalance_experts_"
     if isinstance(modules, nn.Module) or not isinstance(modules, Sequence) or not modules:
@@ -351,7 +353,10 @@ def rebalance_experts_(modules: Sequence[nn.Module], loads,
     for experts, layout, load_E in zip(layers, layouts, loads_NE):
         old = layout.placement
         new = plan_placement(load_E, old.num_ranks, old.slots_per_rank)
-        moved = not torch.equal(new.phys_to_logical, old.phys_to_logical)
+        before, after = old.imbalance(load_E), new.imbalance(load_E)
+        # plan_placement is a greedy heuristic: a placement planned for an earlier load can
+        # serve this one better than the new plan; keep it then, and move nothing
+        moved = after < before
         if moved:
             state = {}
             for name, p in _weights(experts).items():
@@ -362,7 +367,7 @@ def rebalance_experts_(modules: Sequence[nn.Module], loads,
             for key, t in state.items():
                 t.copy_(rows[key])
             layout.placement = new
-        results.append(Rebalanced(old.imbalance(load_E), new.imbalance(load_E), moved,
+        results.append(Rebalanced(before, after if moved else before, moved,
                                   layout.placement))
     return results
 
