@@ -84,12 +84,16 @@ def loss_of(y, t):
     return ((y - t) ** 2).mean()
 
 
-def assert_replicas_identical(test, moe):
+def assert_replicas_identical(test, moe, optimizer=None):
+    """Every replica's weights (and optimizer state) equal its expert's first, bit for bit."""
     placement = expert_placement(moe)
+    first = placement.logical_to_phys[:, 0][placement.phys_to_logical]
     for name in WEIGHTS:
-        full = getattr(moe.experts, name).full_tensor()
-        first = full[placement.logical_to_phys[:, 0][placement.phys_to_logical]]
-        test.assertEqual(full, first, atol=0, rtol=0, msg=name)
+        p = getattr(moe.experts, name)
+        state = {} if optimizer is None else optimizer.state[p]
+        for key, t in [("weight", p)] + [(k, v) for k, v in state.items() if v.dim() > 0]:
+            full = t.full_tensor()
+            test.assertEqual(full, full[first], atol=0, rtol=0, msg=f"{name} {key}")
 
 
 def train_step(test, moe, optimizer, step, ep):
@@ -126,7 +130,8 @@ def train_step(test, moe, optimizer, step, ep):
 def check_training_matches_single_process(test, mesh):
     """5 AdamW steps of two micro-batches on ``mesh`` (1-D, every rank), a rebalance from the
     all-reduced loads after step 2, against the single-process run on the same tokens: losses
-    every step, logical parameters and Adam moments at the end, replicas bit-identical."""
+    every step, logical parameters and Adam moments at the end, replicas (weights and moments)
+    bit-identical."""
     R = test.world_size
     moe, ref = skewed_moe(), skewed_moe()
     parallelize_module(moe, mesh, ExpertParallel(slots_per_rank=3))
@@ -154,7 +159,7 @@ def check_training_matches_single_process(test, mesh):
                 test.assertEqual(p.to_local().data_ptr(), storages[n])
     test.assertFalse(torch.equal(expert_placement(moe).phys_to_logical,
                                  initial.phys_to_logical))
-    assert_replicas_identical(test, moe)
+    assert_replicas_identical(test, moe, opt)
     logical = logical_expert_weights(moe)
     for name in WEIGHTS:
         test.assertEqual(logical[name], getattr(ref.experts, name), **TOL, msg=name)
