@@ -278,13 +278,13 @@ def _constant_rows(values: tuple, R: int, device: torch.device) -> Tensor:
     """``[R, len(values)]`` int64 on ``device``, every row ``values``."""
     if torch.compiler.is_compiling():
         # a traced graph holds the values as constants; the cache would only add guards on it
-        return torch.tensor(values, dtype=torch.int64, device=device).expand(R, len(values))
+        return torch.tensor(values, dtype=torch.int64).to(device).expand(R, len(values))
     key = (values, R, device)
     rows = _CONSTANT_ROWS_CACHE.get(key)
     if rows is None:
         if len(_CONSTANT_ROWS_CACHE) >= _CONSTANT_ROWS_CACHE_SIZE:
             _CONSTANT_ROWS_CACHE.pop(next(iter(_CONSTANT_ROWS_CACHE)))
-        rows = torch.tensor(values, dtype=torch.int64, device=device).expand(R, len(values))
+        rows = torch.tensor(values, dtype=torch.int64).to(device).expand(R, len(values))
         _CONSTANT_ROWS_CACHE[key] = rows
     return rows
 
