@@ -779,6 +779,34 @@ class TestExpertParallelCapacityMode(DTensorOpTestBase):
         self.assertEqual(x.grad, ref_x.grad[mine], **TOL)
 
 
+class TestExpertParallelSyncFree(DTensorOpTestBase):
+    """``ExpertParallel`` with sync-free capacity mode: the same number of tokens on every
+    rank, the style's exchange without a host read."""
+
+    @property
+    def world_size(self):
+        return 4
+
+    def test_expert_parallel_sync_free_capacity_mode(self):
+        moe = make_moe()
+        ref = copy.deepcopy(moe)
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        parallelize_module(moe, mesh, ExpertParallel(dispatch_options={
+            "capacity_factor": 8.0, "sync_free": True, "dedup": True, "num_chunks": 2}))
+        g = torch.Generator().manual_seed(1)
+        xs, gs = torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, 8, generator=g)
+        rank = dist.get_rank()
+        x = xs[rank].clone().requires_grad_()
+        y = moe(x)
+        y.backward(gs[rank])
+        ref_x = xs.flatten(0, 1).clone().requires_grad_()
+        ref_y = ref(ref_x)
+        ref_y.backward(gs.flatten(0, 1))
+        mine = slice(rank * 6, (rank + 1) * 6)
+        self.assertEqual(y, ref_y[mine], **TOL)
+        self.assertEqual(x.grad, ref_x.grad[mine], **TOL)
+
+
 class TestDispatchAtScale(_Base):
     """DeepSeek-V3-like routing (E = 256, k = 8) over 64 ranks; every mode against moe_ffn."""
 
