@@ -61,8 +61,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torch_moe.distributed.placement import (
-    plan_placement,
     Placement,
+    plan_placement,
     rebalance_distributed_,
 )
 from torch_moe.nn.modules.moe import GroupedExperts, MoE
