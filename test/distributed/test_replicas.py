@@ -45,7 +45,7 @@ if HAS_DIST:
     from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
 
     from torch_moe.distributed.parallel import ExpertParallel
-    from torch_moe.distributed.placement import Placement, plan_placement
+    from torch_moe.distributed.placement import plan_placement
     from torch_moe.distributed.replicas import (
         expert_placement,
         load_placement_state_dict_,
@@ -132,7 +132,6 @@ def check_training_matches_single_process(test, mesh):
     all-reduced loads after step 2, against the single-process run on the same tokens: losses
     every step, logical parameters and Adam moments at the end, replicas (weights and moments)
     bit-identical."""
-    R = test.world_size
     moe, ref = skewed_moe(), skewed_moe()
     parallelize_module(moe, mesh, ExpertParallel(slots_per_rank=3))
     initial = expert_placement(moe)
@@ -371,7 +370,6 @@ class TestReplicas(DTensorOpTestBase):
         self.assertEqual(again.imbalance_after, again.imbalance_before)
 
     def test_checkpoint_save_load_bit_exact(self):
-        R = self.world_size
         moe = skewed_moe()
         parallelize_module(moe, self.mesh(), ExpertParallel(slots_per_rank=3))
         opt = torch.optim.AdamW(moe.parameters(), lr=1e-2)

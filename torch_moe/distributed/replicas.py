@@ -3,8 +3,8 @@ reduction of replica gradients, rebalancing from observed loads, and checkpoints
 
 ``ExpertParallel(slots_per_rank=S)`` (or ``placement=``) of
 :mod:`torch_moe.distributed.parallel` stores the stacked expert weights of a layer as
-*physical* weights ``w1, w3 [P, D, F]``, ``w2 [P, F, D]`` with ``P = R * S >= E`` slots: ``Shard(0)``
-DTensors over the ``R`` ranks of the 1-D ``ep`` mesh, slot ``p`` on rank ``p // S`` (the slot
+*physical* weights ``w1, w3 [P, D, F]``, ``w2 [P, F, D]`` with ``P = R * S >= E`` slots:
+``Shard(0)`` DTensors over the ``R`` ranks of the 1-D ``ep`` mesh, slot ``p`` on rank ``p // S`` (the slot
 order of :mod:`torch_moe.distributed.placement`). Slot p holds logical expert
 ``placement.phys_to_logical[p]``; a hot expert has several slots, its *replicas*, which hold the
 same weights. The router picks logical experts; the experts' input hook sends each assignment to
