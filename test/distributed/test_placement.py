@@ -122,6 +122,15 @@ class TestPlacement(TestCase):
         phys8 = route_to_replicas(topk_ids, p8)
         self.assertEqual(p8.phys_to_logical[phys8], topk_ids)
 
+    def test_routing_tables_copied_once_per_device(self):
+        # a blocking copy of the tables to a GPU on every layer call would wait for the GPU:
+        # route_to_replicas keeps one copy per device ("meta" stands for another device here)
+        p = plan_placement(self.load, R, 10)
+        meta = torch.device("meta")
+        first = p._tables_on(meta)
+        self.assertEqual([t.device for t in first], [meta, meta])
+        self.assertTrue(all(a is b for a, b in zip(first, p._tables_on(meta))))
+
     def test_rebalance_round_trip(self):
         gen = torch.Generator().manual_seed(2)
         D, F = 8, 12

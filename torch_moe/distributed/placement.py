@@ -21,7 +21,7 @@ sharded contiguously over the expert-parallel group, the way ``Shard(0)`` splits
 import heapq
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -79,7 +79,8 @@ class Placement:
     """Where the physical expert slots of one MoE layer live, and which expert each holds.
 
     ``P = num_ranks * slots_per_rank`` physical slots, ``E`` logical experts, all tensors int64
-    on the CPU (:func:`route_to_replicas` copies the small tables to the ids' device).
+    on the CPU (:func:`route_to_replicas` copies the small tables it needs to the ids' device,
+    once per device: a blocking copy to a GPU per call would wait for it).
 
     Attributes:
         phys_to_logical: ``[P]``, the logical expert held by each physical slot.
@@ -97,6 +98,18 @@ class Placement:
     rank_of_phys: Tensor
     num_ranks: int
     slots_per_rank: int
+    # device -> (num_replicas, logical_to_phys) on that device, for route_to_replicas
+    _routing_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _tables_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling():
+            # a traced graph holds them as constants; the cache would only add guards on it
+            return self.num_replicas.to(device), self.logical_to_phys.to(device)
+        tables = self._routing_tables.get(device)
+        if tables is None:
+            tables = self._routing_tables[device] = (self.num_replicas.to(device),
+                                                     self.logical_to_phys.to(device))
+        return tables
 
     @property
     def num_logical(self) -> int:
@@ -334,8 +347,7 @@ def route_to_replicas(topk_ids: Tensor, placement: Placement) -> Tensor:
     first = torch.searchsorted(sorted_ids, sorted_ids)
     occurrence = torch.empty_like(flat)
     occurrence[order] = torch.arange(flat.numel(), device=device) - first
-    num_replicas = placement.num_replicas.to(device)
-    logical_to_phys = placement.logical_to_phys.to(device)
+    num_replicas, logical_to_phys = placement._tables_on(device)
     replica = occurrence % num_replicas[flat]
     phys = logical_to_phys[flat, replica]
     return phys.view(topk_ids.shape).to(topk_ids.dtype)
