@@ -6,9 +6,12 @@ D = 512, F = 256), over E from 8 to 256, k from 1 to 8, T from 256 to 16384 toke
 skew from uniform to Zipf 1.2. Skew comes from the router's bias, ``-s * log(1 + rank)`` of a
 random expert order, plus logits of standard deviation ~1.28 from the weights (close to Gumbel
 noise, for which top-1 picks expert ``e`` with probability proportional to ``rank^-s``). The
-prediction is ``moe_layer_cost`` on the profile :func:`calibrate_local` measures first, given
-the per-expert counts the layer actually routed. Memory is the storages autograd saves
-(``saved_tensors_hooks``, each once) plus the input, against ``activation_bytes``.
+prediction is ``moe_layer_cost`` on the profile :func:`calibrate_local` measures first (from
+microbenchmarks at shapes disjoint from these, asserted below), given the per-expert counts the
+layer actually routed. The held-out check of the cost model over many shapes and both dtypes
+is ``benchmarks/cost_model_validation.py``; this sweep plots one shape across sparsity.
+Memory is the storages autograd saves (``saved_tensors_hooks``, each once) plus the input,
+against ``activation_bytes``.
 
 Part 2, dispatch: :func:`expert_parallel_moe_ffn` forward + backward on 2 and 4 gloo processes
 (one compute thread each, so 4 processes share 2 cores), plain and dedup, ids drawn per token
@@ -97,6 +100,7 @@ DISPATCH_CASES = [
 ]
 QUICK_LAYER = [LayerCase(8, 2, 512, 0.0), LayerCase(64, 8, 256, 1.2), LayerCase(32, 1, 1024, 0.6)]
 QUICK_DISPATCH = [DispatchCase(2, 8, 2, 512, 0.0, False), DispatchCase(2, 16, 4, 512, 1.2, True)]
+calibrate.check_disjoint(sorted({(D, F, c.E) for c in LAYER_CASES + DISPATCH_CASES}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +236,7 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    before = calibrate.calibrate_local(D, F, quick=quick, group=dist.group.WORLD)
+    before = calibrate.calibrate_local(quick=quick, group=dist.group.WORLD)
 
     runs = []
     for case in cases:
@@ -267,7 +271,7 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
             if r:
                 run["times"].append(t)
     profile = calibrate.average_profiles(
-        [before, calibrate.calibrate_local(D, F, quick=quick, group=dist.group.WORLD)],
+        [before, calibrate.calibrate_local(quick=quick, group=dist.group.WORLD)],
         f"local-cpu-gloo{world}")
 
     rows = []
@@ -306,7 +310,7 @@ def _dispatch_rank(rank: int, world: int, port: int, cases: list, quick: bool,
                 a2a_ms=pred.a2a_s * 1e3, a2a_share=pred.a2a_s / max(pred.total_s, 1e-12),
                 alpha_ms=profile.intra_node_latency_s * 1e3,
                 bandwidth_GBps=profile.intra_node_bandwidth_Bps / 1e9,
-                dispatch_row_us=profile.dispatch_row_s * 1e6))
+                overlap=profile.overlap_efficiency))
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
     destroy_process_group()
@@ -487,7 +491,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def calibrated(when):
-        p = calibrate.calibrate_local(D, F, quick=args.quick)
+        p = calibrate.calibrate_local(quick=args.quick)
         print(f"calibration {when}: GEMM peak {p.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, copy "
               f"{p.memory_bandwidth_Bps / 1e9:.1f} GB/s, elementwise "
               f"{p.elementwise_Bps / 1e9:.1f} GB/s, per group {p.per_group_s * 1e6:.1f} us, "

@@ -12,10 +12,15 @@ round trip of profiles. No timing benchmark runs here.
 Run: ``python test/distributed/test_cost_model.py``.
 """
 
+import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
+import sys
 import tempfile
+from pathlib import Path
+from unittest import mock
 
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
@@ -81,6 +86,57 @@ def _toy_profile(**overrides):
     )
     fields.update(overrides)
     return DeviceProfile(**fields)
+
+
+@contextlib.contextmanager
+def _validated_functions_raise():
+    """Makes every function the cost model is validated on raise while the block runs:
+    torch_moe's ops (grouped_ffn, grouped_mm, token_sort...) through a dispatch mode that sees
+    every op call, and ``moe_ffn``, the ``MoE`` module and ``expert_parallel_moe_ffn`` through
+    patches. Yields the set of op namespaces called."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import torch_moe.distributed.dispatch as dispatch
+    import torch_moe.nn.functional as functional
+    from torch_moe.nn.modules.moe import MoE
+
+    seen = set()
+
+    class Guard(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.namespace)
+            if func.namespace == "torch_moe":
+                raise AssertionError(f"calibration called {func}")
+            return func(*args, **(kwargs or {}))
+
+    def raiser(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"calibration called {name}")
+        return fail
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(functional, "moe_ffn", raiser("moe_ffn")))
+        stack.enter_context(mock.patch.object(MoE, "forward", raiser("MoE.forward")))
+        stack.enter_context(mock.patch.object(
+            dispatch, "expert_parallel_moe_ffn", raiser("expert_parallel_moe_ffn")))
+        stack.enter_context(Guard())
+        yield seen
+
+
+def _validation_module():
+    """benchmarks/cost_model_validation.py, which holds the held-out set."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cost_model_validation.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("cost_model_validation", path)
+        module = importlib.util.module_from_spec(spec)
+        # dataclasses resolve the module's annotations through sys.modules
+        sys.modules.setdefault(spec.name, module)
+        spec.loader.exec_module(sys.modules[spec.name])
+    finally:
+        sys.path.remove(str(path.parent))
+    return sys.modules[spec.name]
+
 
 
 class TestFormulas(TestCase):
@@ -244,6 +300,29 @@ class TestFormulas(TestCase):
         pf, pb = p / 3, 2 * p / 3
         expected = sum(2 * d + q + (c - 1) * max(2 * d, q) for q in (pf, pb))
         self.assertAlmostEqual(four.total_s, expected, delta=1e-12 * expected + 1e-4 * pf)
+        # a measured overlap: the share eta of the shorter stage runs hidden, the rest adds;
+        # eta = 0 is no pipeline at all
+        for eta in (0.0, 0.25):
+            part = moe_layer_cost(layer, MoEStrategy(ep=16, num_chunks=c),
+                                  dataclasses.replace(prof, overlap_efficiency=eta), 4096, 8)
+            expected = sum(2 * d + q + (c - 1) * (max(2 * d, q) + (1 - eta) * min(2 * d, q))
+                           for q in (pf, pb))
+            self.assertAlmostEqual(part.total_s, expected, delta=1e-12 * expected + 1e-4 * pf)
+        serial = moe_layer_cost(layer, MoEStrategy(ep=16, num_chunks=c),
+                                dataclasses.replace(prof, overlap_efficiency=0.0), 4096, 8)
+        self.assertAlmostEqual(serial.total_s, serial.compute_s + serial.a2a_s,
+                               delta=1e-4 * pf)
+
+    def test_planner_chunks_only_from_a_measured_overlap(self):
+        model = _tiny_model(128 * 4 * 4)
+        unmeasured = ClusterSpec(_toy_profile(), 4, 1)
+        self.assertEqual({s.num_chunks for s in candidate_strategies(model, unmeasured)}, {1})
+        measured = ClusterSpec(_toy_profile(overlap_efficiency=0.5), 4, 1)
+        self.assertEqual({s.num_chunks for s in candidate_strategies(model, measured)},
+                         {1, 2, 4})
+        # asked for explicitly, chunks are priced either way
+        self.assertEqual({s.num_chunks for s in candidate_strategies(model, unmeasured,
+                                                                     chunks=(1, 2))}, {1, 2})
 
     def test_model_states(self):
         mixed = memory_cost.ADAMW_MIXED  # 2 + 4 + 4 + 8 bytes per parameter
@@ -263,9 +342,13 @@ class TestFormulas(TestCase):
         # FP8 rows (1 B) and their fp32 row scales (20 x 4 B)
         self.assertEqual(act(10, 20, 8, 4, 2, "fp8_rowwise", "none"),
                          160 + 400 + 240 + 320)
-        # the router's logits, scores and top-k order (E=3: 10 x 3 x 16 B); without
-        # expert parallelism no received copy; an fp32 layer doubles the activations
-        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none", num_experts=3), 1200 + 480)
+        # the router's logits, scores and top-k order (E=3: 10 x 3 x 16 B) and, the layer
+        # being bf16, the fp32 copies of its input and weight it computes from ((10 + 3) x 8
+        # x 4 B); without expert parallelism no received copy; an fp32 layer doubles the
+        # activations and needs no copy for its router
+        self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none", num_experts=3), 1200 + 480 + 416)
+        self.assertEqual(act(10, 20, 8, 4, 2, "fp32", "none", num_experts=3, act_bytes=4)
+                         - act(10, 20, 8, 4, 2, "fp32", "none", act_bytes=4), 480)
         self.assertEqual(act(10, 20, 8, 4, 2, "bf16", "none", dispatched=False), 1200 - 320)
         self.assertEqual(act(10, 20, 8, 4, 2, "fp32", "none", dispatched=False, act_bytes=4),
                          320 + 400 + 640)
@@ -349,6 +432,18 @@ class TestErrors(TestCase):
             _toy_profile(peak_flops={"int4": 1e12})
         with self.assertRaisesRegex(ValueError, "unknown fields"):
             DeviceProfile.from_json('{"name": "x", "warp_size": 32}')
+        with self.assertRaisesRegex(ValueError, "overlap_efficiency in \\[0, 1\\]"):
+            _toy_profile(overlap_efficiency=1.5)
+        with self.assertRaisesRegex(ValueError, "precision_curves for precisions"):
+            _toy_profile(precision_curves={"fp32": (((1, 0.5),), ((1, 0.5),))})
+        with self.assertRaisesRegex(ValueError, "grow no faster"):
+            _toy_profile(precision_curves={"bf16": (((16, 0.1), (32, 0.5)), ((1, 0.5),))})
+        # a precision's own curves replace the shared ones (without precision_efficiency)
+        own = _toy_profile(precision_curves={"fp8_rowwise": (((1, 0.25),), ((1, 0.125),))},
+                           precision_efficiency={"fp8_rowwise": 0.5})
+        self.assertAlmostEqual(own.gemm_flops("fp8_rowwise", 512), 0.5e12)
+        self.assertAlmostEqual(own.gemm_flops("fp8_rowwise", 512, wgrad=True), 0.25e12)
+        self.assertEqual(DeviceProfile.from_json(own.to_json()), own)
 
     def test_bad_planner_inputs(self):
         model = _tiny_model()
@@ -476,11 +571,22 @@ class TestPlannerAndCalibration(TestCase):
         self.assertEqual(cost.micro_batches, 15360 // 256 // 2)
 
     def test_calibrate_quick_and_json(self):
-        prof = calibrate.calibrate_local(quick=True)
+        # calibration runs microbenchmarks only: every function the cost model is validated on
+        # raises while it runs (torch_moe's ops through a dispatch mode that sees every op
+        # call, the Python entry points through patches)
+        with _validated_functions_raise() as seen:
+            prof = calibrate.calibrate_local(quick=True)
+        self.assertIn("torch_moe_calibration", seen)  # the mode does see custom ops
+        self.assertNotIn("torch_moe", seen)
         self.assertEqual(prof.gemm_tile_rows, 1)
         self.assertGreater(prof.peak_flops["bf16"], 0)
+        self.assertEqual(set(prof.precision_curves), {"bf16", "fp32"})
         self.assertGreater(prof.memory_bandwidth_Bps, 0)
+        self.assertGreater(prof.per_group_s, 0)
+        self.assertGreater(prof.layer_overhead_s, 0)
         self.assertGreaterEqual(prof.page_fault_s_per_byte, 0)
+        self.assertIsNone(prof.overlap_efficiency)  # no process group: not measured
+        self.assertEqual(prof.dispatch_row_s, 0.0)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "cpu.json")
             calibrate.save_profile(prof, path)
@@ -488,6 +594,52 @@ class TestPlannerAndCalibration(TestCase):
         # the calibrated profile prices a layer
         cost = moe_layer_cost(MoELayerSpec(128, 64, 8, 2), MoEStrategy(), prof, 256)
         self.assertTrue(math.isfinite(cost.total_s) and cost.total_s > 0)
+
+    def test_calibrate_collectives_single_rank(self):
+        # the process-group benchmarks on a one-rank gloo group, under the same guard
+        import torch.distributed as dist
+
+        with tempfile.TemporaryDirectory() as d:
+            store = dist.FileStore(os.path.join(d, "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            try:
+                with _validated_functions_raise() as seen:
+                    alpha, bw = calibrate.measure_all_to_all(dist.group.WORLD, 1024, 1 << 16,
+                                                             reps=1)
+                    eta = calibrate.measure_overlap_efficiency(dist.group.WORLD, 1 << 16,
+                                                               reps=1, dims=(160, 80))
+            finally:
+                dist.destroy_process_group()
+        self.assertNotIn("torch_moe", seen)
+        self.assertGreaterEqual(alpha, 0.0)
+        self.assertGreater(bw, 0.0)
+        self.assertTrue(0.0 <= eta <= 1.0)
+
+    def test_calibration_shapes_are_disjoint_from_the_held_out_set(self):
+        # "disjoint" (calibrate.check_disjoint): no held-out layer GEMM has the (K, N) of a
+        # calibrated GEMM, and no held-out D or F is a calibration width
+        validation = _validation_module()
+        shapes = validation.held_out_shapes()
+        self.assertGreaterEqual(len(validation.HELD_OUT_LAYERS), 30)
+        self.assertEqual({c.R for c in validation.HELD_OUT_DISPATCH}, {2, 4})
+        self.assertTrue(any(c.num_chunks > 1 for c in validation.HELD_OUT_DISPATCH))
+        calibrate.check_disjoint(shapes)
+        widths = {w for D, F, _ in shapes for w in (D, F)}
+        self.assertFalse(widths & calibrate.CALIBRATION_DIMS)
+        for D, F, E in shapes:
+            gemms = {(D, F), (F, D), (D, E)}
+            self.assertFalse(gemms & calibrate.CALIBRATION_GEMM_SHAPES, (D, F, E))
+        # the calibration itself only uses its own widths
+        self.assertEqual(set(calibrate._FULL_DIMS + calibrate._QUICK_DIMS),
+                         set(calibrate.CALIBRATION_DIMS))
+        # a held-out layer at a calibration width, or with the router shape of the layer
+        # stand-in, is refused
+        with self.assertRaisesRegex(ValueError, "disjoint"):
+            calibrate.check_disjoint([(640, 256, 8)])
+        with self.assertRaisesRegex(ValueError, "disjoint"):
+            calibrate.check_disjoint([(512, 320, 8)])
+        with self.assertRaisesRegex(ValueError, r"\(8, 2\)"):
+            calibrate.check_disjoint([(8, 16, 2)])
 
     def test_average_profiles(self):
         a = _toy_profile(per_group_s=1e-6)
@@ -504,30 +656,6 @@ class TestPlannerAndCalibration(TestCase):
             calibrate.average_profiles([a, _toy_profile(gemm_efficiency=((64, 0.5),))])
         with self.assertRaisesRegex(ValueError, "at least one"):
             calibrate.average_profiles([])
-
-    def test_fit_to_grouped_ffn(self):
-        # no host, elementwise or page-fault cost: the kernel's time is its GEMMs, here twice
-        # what the part-wise curves predict, so both curves drop to half
-        prof = _toy_profile(peak_flops={"fp32": 1e12}, gemm_tile_rows=1, gemm_call_s=0.0,
-                            per_group_s=0.0, elementwise_bandwidth_Bps=1e18,
-                            gemm_efficiency=((1, 0.5), (1024, 0.5)),
-                            wgrad_efficiency=((1, 0.25), (1024, 0.25)))
-        D, F = 64, 32
-
-        def kernel_s(r, G, factor):
-            t = gemm_cost.expert_ffn_time(prof, "fp32", [float(r)] * G, D, F)
-            return factor * t.total_s
-
-        slow = calibrate.fit_to_grouped_ffn(
-            prof, [(r, 4, kernel_s(r, 4, 2.0)) for r in (16, 256)], D, F)
-        self.assertAlmostEqual(slow.gemm_flops("fp32", 100), 0.25e12, delta=1e6)
-        self.assertAlmostEqual(slow.wgrad_efficiency[-1][1], 0.125, places=6)
-        self.assertIn("scaled to grouped_ffn", slow.sources[-1])
-        # faster than the parts: scaled up, but never past the peak
-        fast = calibrate.fit_to_grouped_ffn(
-            prof, [(r, 4, kernel_s(r, 4, 1 / 3)) for r in (16, 256)], D, F)
-        self.assertEqual(fast.gemm_efficiency[-1][1], 1.0)
-        self.assertAlmostEqual(fast.wgrad_efficiency[-1][1], 0.75, places=6)
 
     def test_fresh_allocations(self):
         # 10 rows of 4 tokens, D=8, F=2 gated, 3 local experts, fp32: hidden 10 x 4 x 4 B,

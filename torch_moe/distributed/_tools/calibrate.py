@@ -1,36 +1,53 @@
-"""Measure the local machine into a :class:`DeviceProfile` with a short microbenchmark.
+"""Measure the local machine into a :class:`DeviceProfile` with microbenchmarks only.
 
-What is measured, and the profile field each sets. Each benchmark mirrors what the CPU kernel
-of ``grouped_ffn`` (``torch_moe/_native/cpu.py``) does, in the dtype it computes in:
+Calibration never runs what the cost model is validated on: not ``grouped_ffn``,
+``grouped_mm``, ``moe_ffn``, the ``MoE`` module nor ``expert_parallel_moe_ffn``
+(``test/distributed/test_cost_model.py`` makes them raise during a calibration), and no
+factor is fitted to a layer's measured time. What is measured, and the profile field each sets:
 
-* GEMM throughput against rows per group, token-major (``[rows, D] @ [D, F]`` and ``[rows, F]
-  @ [F, D]``) and weight-gradient forms (``[D, rows] @ [rows, F]``, ``[F, rows] @ [rows, D]``),
-  each call on a different expert's matrix: ``peak_flops`` (the best rate seen),
-  ``gemm_efficiency`` and ``wgrad_efficiency`` (rate / peak);
-* the kernel's host work per non-empty group and grouped GEMM, on one-row groups:
-  ``per_group_s``;
-* its elementwise kernels (gather, SwiGLU forward / backward, weighting, scatter-add) block by
-  block: ``elementwise_bandwidth_Bps``;
-* forward + backward of a minimal ``MoE`` layer: ``layer_overhead_s``;
+* GEMM throughput of plain ``torch.mm`` / ``addmm_`` against the rows of the token
+  dimension, in the forms, operand layouts (transposed weight views, column halves) and
+  proportions a gated expert FFN issues per group: token-major (``[rows, K] @ [K, N]``) and
+  weight-gradient (``[K, rows] @ [rows, N]``, the tokens the contraction), each group on
+  different matrices (as each group meets its own expert), in fp32 and, where the CPU has bf16 GEMM
+  instructions, bf16: ``peak_flops`` (the best rate seen), ``precision_curves`` (rate / peak
+  per precision) and ``gemm_efficiency`` / ``wgrad_efficiency`` (those of bf16);
+* the host cost of one ``torch.mm`` call on one-row views of tiny matrices, with the slicing
+  and expert selection that produce its operands: ``per_group_s`` (the cost model charges it
+  per non-empty group and grouped GEMM);
+* a stand-in for the fixed host work of one layer call, forward + backward on a few tokens:
+  a router (linear, softmax, top-k, renormalisation), a token sort (bincount, stable sort,
+  cumsum) and three calls of a trivial ``torch.library`` custom op with an autograd formula
+  (the expert op's forward and backward, the sort op): ``layer_overhead_s``;
+* the elementwise ATen kernels of an expert FFN (row gather, SwiGLU forward and backward,
+  routing-weight scaling, scatter-add) block by block on fixed buffers:
+  ``elementwise_bandwidth_Bps``;
 * ``copy_`` into an existing buffer: ``memory_bandwidth_Bps`` (read + write);
 * a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold against the same on a
   reused buffer: ``page_fault_s_per_byte``;
-* optionally, with a process group, ``all_to_all_single`` at two sizes: the latency and
-  bandwidth of both link fields (one machine has one link); then ``expert_parallel_moe_ffn``
-  on a uniform load: ``dispatch_row_s``, the host work per dispatched row the rest leaves out.
+* with a process group: ``all_to_all_single`` at two sizes, the latency and bandwidth of both
+  link fields (one machine has one link); and an ``all_to_all_single`` in flight while the
+  rank runs GEMMs against each alone: ``overlap_efficiency``, the share of the shorter that
+  runs hidden (the pipeline term of chunked dispatch). ``dispatch_row_s`` stays 0: no
+  stand-in measures host work per dispatched row apart from what the elementwise and
+  all-to-all terms already price.
 
-Last, the GEMM curves are reconciled with ``grouped_ffn`` itself run on uniform loads
-(:func:`fit_to_grouped_ffn`).
+Shapes are disjoint from the validated layers': every benchmark that has a layer shape runs at
+widths taken from :data:`CALIBRATION_DIMS` (GEMMs ``(K, N)`` in
+:data:`CALIBRATION_GEMM_SHAPES`), and :func:`check_disjoint` raises when a validated layer's
+GEMMs would share a ``(K, N)`` pair or its ``D`` / ``F`` a width with them, so that no
+calibrated GEMM or elementwise benchmark has the shape of a validated one at any row count.
 
-A full run stays well under a minute on two cores; ``quick=True`` runs tiny sizes once, to
-check the plumbing (its numbers mean nothing). Timings take the median of ``reps`` runs after
-one warm-up (the GEMM curve: of ``reps`` passes over all row counts). The machine is shared:
+A full run takes about a minute on two cores; ``quick=True`` runs tiny sizes once, to check
+the plumbing (its numbers mean nothing). Timings take the median of ``reps`` runs after one
+warm-up (the GEMM curve: of ``reps`` passes over all row counts). The machine is shared:
 calibrate when it is quiet, and bracket long measurements (:func:`average_profiles`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -40,16 +57,18 @@ import torch
 from torch_moe.distributed._tools.device_profiles import REFERENCE_CPU, DeviceProfile
 
 __all__ = [
+    "CALIBRATION_DIMS",
+    "CALIBRATION_GEMM_SHAPES",
+    "CALIBRATION_ROWS",
+    "check_disjoint",
     "measure_gemm_curve",
-    "measure_group_overhead_s",
-    "measure_grouped_ffn_s",
-    "fit_to_grouped_ffn",
-    "measure_dispatch_row_s",
-    "measure_ffn_elementwise_Bps",
+    "measure_mm_call_s",
     "measure_layer_overhead_s",
+    "measure_ffn_elementwise_Bps",
     "measure_copy_bandwidth_Bps",
     "measure_page_fault_s_per_byte",
     "measure_all_to_all",
+    "measure_overlap_efficiency",
     "fit_efficiency_curve",
     "calibrate_local",
     "average_profiles",
@@ -58,6 +77,44 @@ __all__ = [
 ]
 
 _MiB = 2**20
+
+# Layer-shaped widths of the benchmarks: (D, F) of a full calibration, then of a quick one.
+_FULL_DIMS, _QUICK_DIMS = (640, 320), (160, 80)
+CALIBRATION_DIMS = frozenset(_FULL_DIMS + _QUICK_DIMS)
+# (K, N) of every GEMM calibration times: the curves in both orientations of each (D, F), the
+# per-call stand-in's 8 x 8, the layer stand-in's router (D = 8, E = 2) and expert (8 x 8)
+_TINY, _TINY_EXPERTS = 8, 2
+CALIBRATION_GEMM_SHAPES = frozenset(
+    [(a, b) for d, f in (_FULL_DIMS, _QUICK_DIMS) for a, b in ((d, f), (f, d))]
+    + [(_TINY, _TINY), (_TINY, _TINY_EXPERTS)])
+# Rows of the GEMM curves: 3 * 2^i, off the powers of two the uniform layer loads tend to hit
+# (that is not needed for disjointness, which the widths give, but no curve point then sits
+# exactly on a validated group size).
+CALIBRATION_ROWS = (1, 3, 6, 12, 24, 48, 96, 192, 384, 768, 1536, 3072, 6144)
+_QUICK_ROWS = (3, 24, 192)
+
+
+def check_disjoint(layers) -> None:
+    """Raise ``ValueError`` unless the validated ``layers`` (``(D, F, E)`` triples; shared
+    experts as more ``(D, F_shared, 1)`` triples) are disjoint from calibration. Disjoint
+    means: (1) no GEMM of such a layer has the ``(K, N)`` of a calibrated GEMM
+    (:data:`CALIBRATION_GEMM_SHAPES`): the expert GEMMs are ``(D, F)`` and ``(F, D)``, the
+    router's ``(D, E)``; and (2) neither ``D`` nor ``F`` is a width of
+    :data:`CALIBRATION_DIMS`, so the elementwise benchmarks never run at a layer's widths
+    either. Then no calibration measurement has the shape of a validated one, whatever the
+    rows."""
+    clashes = []
+    for layer in layers:
+        D, F, E = (int(v) for v in layer)
+        gemms = {(D, F), (F, D), (D, E)}
+        shared = sorted(gemms & CALIBRATION_GEMM_SHAPES)
+        widths = sorted({D, F} & CALIBRATION_DIMS)
+        if shared or widths:
+            clashes.append(f"(D={D}, F={F}, E={E}): GEMMs {shared}, widths {widths}")
+    if clashes:
+        raise ValueError("expected validated layers disjoint from the calibration shapes "
+                         f"(GEMMs {sorted(CALIBRATION_GEMM_SHAPES)}, widths "
+                         f"{sorted(CALIBRATION_DIMS)}), but " + "; ".join(clashes))
 
 
 def _median_s(fn, reps: int) -> float:
@@ -77,256 +134,221 @@ def _check_reps(reps) -> None:
 
 def measure_gemm_curve(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.float32,
                        wgrad: bool = False, reps: int = 5,
-                       experts_bytes: int = 64 * _MiB) -> list[tuple[int, float]]:
-    """``[(rows, FLOP/s)]`` of the per-expert GEMMs of ``grouped_ffn`` on this CPU, with a
-    ``rows``-row group: ``wgrad=False`` times the token-major forms ``[rows, D] @ [D, F]`` and
-    ``[rows, F] @ [F, D]`` (gate / up and down projections, and their input gradients);
-    ``wgrad=True`` the weight-gradient forms ``[D, rows] @ [rows, F]`` and ``[F, rows] @
-    [rows, D]``, where the tokens are the contraction. Each point is the two shapes' FLOPs over
-    their summed time, as the kernel runs both in equal numbers.
+                       experts_bytes: int = 64 * _MiB,
+                       flops_per_timing: float = 2e9) -> list[tuple[int, float]]:
+    """``[(rows, FLOP/s)]`` of plain ``torch.mm`` / ``addmm_`` calls in the forms, operand
+    layouts and proportions of a gated expert FFN's per-group GEMMs (``D = dim``, ``F =
+    hidden_dim``, a ``rows``-row group), each point all the forms' FLOPs over their summed
+    time. ``wgrad=False``, the token-major forms (the tokens are M): gate and up ``[rows, D]
+    @ [D, F]`` into the two column halves of a ``[rows, 2F]`` buffer (row-strided outputs),
+    down ``[rows, F] @ [F, D]``; in backward ``G @ w2^T`` (a transposed weight view), ``dH_gate
+    @ w1^T`` from a column half of ``dH`` and ``addmm_`` of ``dH_up @ w3^T`` into the same
+    output. ``wgrad=True``, the weight-gradient forms (the tokens are the contraction):
+    ``X^T @ dH_gate``, ``X^T @ dH_up`` and ``act^T @ G``, transposed views of token-major
+    buffers into one expert's gradient.
 
-    Consecutive GEMMs read a different expert's weight (forward forms) or write a different
-    expert's gradient (weight-gradient forms), cycling over ``experts_bytes`` of them: in the
-    kernel every group touches its own expert, so a small group pays for bringing a whole
-    ``D x F`` matrix from memory, which a benchmark reusing one cached matrix would hide."""
+    Consecutive groups read a different expert's weights (token-major forms) or write a
+    different expert's gradients (weight-gradient forms), cycling over ``experts_bytes`` of
+    them: in an expert FFN every group touches its own expert, so a small group pays for
+    bringing whole ``D x F`` matrices from memory, which a benchmark reusing one cached matrix
+    would hide. Each timing runs about ``flops_per_timing`` FLOPs (at most 2000 groups)."""
     _check_reps(reps)
     if dim < 1 or hidden_dim < 1 or not rows or any(r < 1 for r in rows):
         raise ValueError(f"expected positive rows, dim and hidden_dim, but got rows={rows}, "
                          f"dim={dim}, hidden_dim={hidden_dim}")
-    experts = max(1, experts_bytes // (dim * hidden_dim * torch.finfo(dtype).bits // 8))
-    shapes = ((dim, hidden_dim), (hidden_dim, dim))
-    # the experts' weights (forward forms) or gradients (weight-gradient forms), shared by
-    # every row count
-    mats = [torch.randn(experts, k_, n_, dtype=dtype) for k_, n_ in shapes]
+    D, F = dim, hidden_dim
+    experts = max(1, experts_bytes // (3 * D * F * torch.finfo(dtype).bits // 8))
+    g = torch.Generator().manual_seed(0)
+    # the experts' weights (token-major forms) or gradients (weight-gradient forms), shared
+    # by every row count: [experts, D, F] twice (gate, up) and [experts, F, D] (down)
+    w1, w3 = (torch.randn(experts, D, F, generator=g).to(dtype) for _ in range(2))
+    w2 = torch.randn(experts, F, D, generator=g).to(dtype)
     runners = []
     for r in rows:
-        operands = []
-        for (k_, n_), m in zip(shapes, mats):
-            if wgrad:
-                # [K, rows] @ [rows, N]: the transposed view of a token-major [rows, K], as
-                # grouped_ffn_backward passes it, into one expert's gradient
-                a, b = torch.randn(r, k_, dtype=dtype).t(), torch.randn(r, n_, dtype=dtype)
-                operands.append([(a, b, c) for c in m])
-            else:
-                # the gate / up projections write the halves of a [rows, 2F] buffer, so their
-                # outputs are row-strided views, as in grouped_ffn
-                a = torch.randn(r, k_, dtype=dtype)
-                c = torch.empty(r, 2 * n_, dtype=dtype)[:, :n_] if n_ == hidden_dim else \
-                    torch.empty(r, n_, dtype=dtype)
-                operands.append([(a, b, c) for b in m])
-        # ~20 ms of work per timing at ~100 GFLOP/s
-        calls = max(1, min(10000, int(2e9 / (4.0 * r * dim * hidden_dim))))
-        runners.append((r, calls, operands))
-
-    def run(calls, operands, start):
-        # every call meets an expert that has not been touched for a whole cycle
-        for i in range(start, start + calls):
-            for ops_ in operands:
-                a, b, c = ops_[i % experts]
-                torch.mm(a, b, out=c)
+        x, grad = (torch.randn(r, D, generator=g).to(dtype) for _ in range(2))
+        act = torch.randn(r, F, generator=g).to(dtype)
+        dH = torch.randn(r, 2 * F, generator=g).to(dtype)
+        h, o, dA, dX = (torch.empty(r, n, dtype=dtype) for n in (2 * F, D, F, D))
+        if wgrad:
+            def group(e, x=x, grad=grad, act=act, dH=dH):
+                torch.mm(x.t(), dH[:, :F], out=w1[e])
+                torch.mm(x.t(), dH[:, F:], out=w3[e])
+                torch.mm(act.t(), grad, out=w2[e])
+        else:
+            def group(e, x=x, grad=grad, act=act, dH=dH, h=h, o=o, dA=dA, dX=dX):
+                torch.mm(x, w1[e], out=h[:, :F])
+                torch.mm(x, w3[e], out=h[:, F:])
+                torch.mm(act, w2[e], out=o)
+                torch.mm(grad, w2[e].t(), out=dA)
+                torch.mm(dH[:, :F], w1[e].t(), out=dX)
+                dX.addmm_(dH[:, F:], w3[e].t())
+        calls = max(1, min(2000, int(flops_per_timing / (6.0 * r * D * F))))
+        runners.append((r, calls, group))
 
     # Passes over all row counts rather than all repetitions of one count: a slow phase of a
     # shared machine then spreads over the curve instead of bending one point.
+    forms = 3 if wgrad else 6
     times = {r: [] for r in rows}
     for p in range(reps + 1):
-        for r, calls, operands in runners:
+        for r, calls, group in runners:
             t0 = time.perf_counter()
-            run(calls, operands, p * calls)
+            # every group meets an expert that has not been touched for a whole cycle
+            for i in range(p * calls, (p + 1) * calls):
+                group(i % experts)
             if p:  # the first pass is the warm-up
                 times[r].append((time.perf_counter() - t0) / calls)
-    return [(int(r), 4.0 * r * dim * hidden_dim / statistics.median(times[r])) for r in rows]
+    return [(int(r), forms * 2.0 * r * D * F / statistics.median(times[r])) for r in rows]
 
 
-def measure_group_overhead_s(reps: int = 5, groups: int = 256) -> float:
-    """Seconds of host work per non-empty group and grouped GEMM call inside ``grouped_ffn``
-    forward + backward (slicing, weight views, the ``torch.mm`` call itself), measured on
-    ``groups`` one-row groups of an 8-wide expert, where the arithmetic is negligible, against
-    a single group. The cost model charges it on each of the grouped GEMMs of
-    ``gemm_cost.expert_ffn_time``."""
+def measure_mm_call_s(reps: int = 5, groups: int = 256) -> float:
+    """Host seconds of one ``torch.mm`` call of a per-group loop: ``groups`` one-row groups
+    of an 8-wide matrix, each call on the group's row view, its own matrix (a ``select`` of
+    a stacked ``[G, 8, 8]``) and a column-sliced output view, as the CPU kernel slices its
+    operands; the arithmetic is negligible. Measured against a single group, so what is left
+    is the per-call cost."""
     _check_reps(reps)
 
     def timed(num_groups):
-        d = 8
-        x = torch.randn(num_groups, d)
-        w1, w2, w3 = (torch.randn(num_groups, d, d) for _ in range(3))
-        sorted_ids = torch.arange(num_groups)
-        offs = torch.arange(1, num_groups + 1, dtype=torch.int32)
-        weights = torch.ones(num_groups, 1)
-        ops = torch.ops.torch_moe
+        x = torch.randn(num_groups, _TINY)
+        w = torch.randn(num_groups, _TINY, _TINY)
+        out = torch.empty(num_groups, 2 * _TINY)
 
         def run():
-            y, hidden = ops.grouped_ffn(x, sorted_ids, offs, weights, w1, w2, w3, "swiglu",
-                                        1.702, 7.0)
-            ops.grouped_ffn_backward(y, x, sorted_ids, offs, weights, w1, w2, w3, hidden,
-                                     "swiglu", 1.702, 7.0, [True] * 5)
+            for g in range(num_groups):
+                torch.mm(x[g:g + 1], w[g], out=out[g:g + 1, :_TINY])
 
         return _median_s(run, reps)
 
-    from torch_moe.distributed._tools.gemm_cost import EXPERT_FFN_GROUPED_CALLS
-
-    return max(0.0, timed(groups) - timed(1)) / (groups - 1) / EXPERT_FFN_GROUPED_CALLS
+    return max(0.0, timed(groups) - timed(1)) / (groups - 1)
 
 
-def measure_grouped_ffn_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.float32,
-                          reps: int = 5, total_rows: int = 8192,
-                          max_groups: int = 64) -> list[tuple[int, int, float]]:
-    """``[(rows, groups, seconds)]`` of ``grouped_ffn`` forward + backward (SwiGLU) on a uniform
-    synthetic load: ``groups`` experts of ``rows`` rows each, one row per token. The kernel
-    as a whole, with its GEMMs, elementwise kernels, host work and allocations interleaved as
-    they are in a layer; :func:`fit_to_grouped_ffn` reconciles the part-wise curves with it.
-    Row counts are timed in interleaved passes, like :func:`measure_gemm_curve`."""
+@functools.lru_cache(maxsize=None)
+def _stand_in_op():
+    """A trivial custom op with an autograd formula: the dispatch cost of a ``torch.library``
+    op call (schema parsing, dispatcher, autograd node), none of torch_moe's kernels."""
+    lib = torch.library.Library("torch_moe_calibration", "FRAGMENT")
+    lib.define("stand_in(Tensor x, Tensor rows) -> Tensor")
+    lib.define("stand_in_backward(Tensor grad, Tensor rows) -> Tensor")
+
+    def forward(x, rows):
+        return x.index_select(0, rows)
+
+    def backward_kernel(grad, rows):
+        return torch.zeros(grad.shape, dtype=grad.dtype).index_add_(0, rows, grad)
+
+    lib.impl("stand_in", forward, "CPU")
+    lib.impl("stand_in_backward", backward_kernel, "CPU")
+    op = torch.ops.torch_moe_calibration
+
+    def backward(ctx, grad):
+        return op.stand_in_backward(grad, ctx.rows), None
+
+    def setup_context(ctx, inputs, output):
+        ctx.rows = inputs[1]
+
+    torch.library.register_autograd("torch_moe_calibration::stand_in", backward,
+                                    setup_context=setup_context, lib=lib)
+    return lib, op
+
+
+def measure_layer_overhead_s(reps: int = 5) -> float:
+    """Seconds of one forward + backward of a stand-in for the fixed host work of an MoE layer
+    call, on 4 tokens of width 8 and 2 experts, top-1, where the arithmetic is negligible: a
+    router (``linear``, fp32 ``softmax``, ``topk``, renormalisation), a token sort
+    (``bincount``, stable ``sort``, ``cumsum``) whose order goes through one custom-op call,
+    and the experts as a custom op with an autograd formula (forward and backward: two more
+    calls) feeding an 8 x 8 GEMM, weighted by the routing weights. Module hooks, input checks
+    and the per-group work are not in it (the latter is priced per group)."""
+    import torch.nn.functional as F_
+
     _check_reps(reps)
-    ops = torch.ops.torch_moe
-    cases = []
+    _, op = _stand_in_op()
     g = torch.Generator().manual_seed(0)
-    for r in rows:
-        G = max(1, min(max_groups, total_rows // r))
-        S = G * r
-        x = torch.randn(S, dim, generator=g, dtype=dtype)
-        # weights at nn.Linear's scale, so activations have the magnitudes of a real layer
-        w1, w3 = (torch.randn(G, dim, hidden_dim, generator=g, dtype=dtype) / dim ** 0.5
-                  for _ in range(2))
-        w2 = torch.randn(G, hidden_dim, dim, generator=g, dtype=dtype) / hidden_dim ** 0.5
-        sorted_ids = torch.arange(S)
-        offs = torch.arange(1, G + 1, dtype=torch.int32) * r
-        weights = torch.rand(S, 1, generator=g)
-        grad = torch.randn(S, dim, generator=g, dtype=dtype)
-        cases.append((r, G, (x, sorted_ids, offs, weights, w1, w2, w3), grad))
+    x = torch.randn(4, _TINY, generator=g, requires_grad=True)
+    gate = torch.randn(_TINY_EXPERTS, _TINY, generator=g, requires_grad=True)
+    w = torch.randn(_TINY, _TINY, generator=g, requires_grad=True)
+    last = torch.tensor([_TINY_EXPERTS - 1])
 
-    def run(args, grad):
-        y, hidden = ops.grouped_ffn(*args, "swiglu", 1.702, 7.0)
-        ops.grouped_ffn_backward(grad, args[0], args[1], args[2], args[3], args[4], args[5],
-                                 args[6], hidden, "swiglu", 1.702, 7.0, [True] * 5)
+    def run():
+        for t in (x, gate, w):
+            t.grad = None
+        scores = F_.linear(x, gate).float().softmax(-1)
+        weights, ids = scores.topk(1, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        flat = ids.flatten()
+        counts = torch.bincount(flat, minlength=_TINY_EXPERTS)
+        order = torch.sort(flat, stable=True).indices
+        offs = op.stand_in(counts.cumsum(0).to(torch.int32), last)  # the sort op
+        rows = op.stand_in(x, order)  # the expert op: forward here, backward below
+        y = torch.mm(rows, w).mul(weights.view(-1, 1).to(x.dtype))
+        y.sum().backward()
+        return offs
 
-    times = {r: [] for r, *_ in cases}
-    for p in range(reps + 1):
-        for r, G, args, grad in cases:
-            t0 = time.perf_counter()
-            run(args, grad)
-            if p:
-                times[r].append(time.perf_counter() - t0)
-    return [(r, G, statistics.median(times[r])) for r, G, *_ in cases]
-
-
-def fit_to_grouped_ffn(profile: DeviceProfile, measured, dim: int, hidden_dim: int,
-                       precision: str = "fp32") -> DeviceProfile:
-    """Scale ``profile``'s GEMM curves so that the cost model's ``grouped_ffn`` time matches
-    ``measured`` (from :func:`measure_grouped_ffn_s`) at each row count.
-
-    The part-wise benchmarks time each GEMM shape in a tight loop of its own; inside the kernel
-    the GEMMs alternate with gathers, activations and scatter-adds that evict their operands,
-    and run at another rate (0.7 to 1.05 of the isolated one across runs on the development
-    machine; more than 1 on one thread). With the model's own elementwise, host and page-fault terms taken
-    out of the measured time, what is left is the kernel's GEMM time; the ratio to the modelled
-    GEMM time scales both curves at that row count (interpolated in between, clamped at the
-    ends), keeping the forward / weight-gradient ratio the part-wise benchmarks saw. The peak
-    stays; a fraction that would pass 1 is capped, and the curves keep growing no faster than
-    the rows (:func:`fit_efficiency_curve`)."""
-    from torch_moe.distributed._tools import gemm_cost
-
-    act_b = 4 if precision == "fp32" else 2
-    scale = []
-    for r, G, seconds in measured:
-        counts = [float(r)] * G
-        t = gemm_cost.expert_ffn_time(profile, precision, counts, dim, hidden_dim)
-        # the GEMMs' arithmetic alone: the per-call and per-group host costs are measured
-        calls = gemm_cost.EXPERT_FFN_GROUPED_CALLS * (profile.gemm_call_s
-                                                      + profile.per_group_s * G)
-        gemm = t.total_s - calls
-        S = float(r * G)
-        ew = sum(gemm_cost.ffn_elementwise_bytes(S, S, dim, hidden_dim, True, act_b))
-        alloc_f, alloc_b = gemm_cost.ffn_fresh_allocations(S, S, dim, hidden_dim, G, True,
-                                                           act_b)
-        other = calls + ew / profile.elementwise_Bps + gemm_cost.fresh_alloc_time_s(
-            profile, alloc_f + alloc_b)
-        # a measurement below the modelled non-GEMM part is noise; never scale by more than 4x
-        scale.append((float(r), min(4.0, max(0.25, gemm / max(seconds - other, gemm / 4)))))
-    curve_scale = tuple(scale)
-    peak = profile.peak_flops.get(precision, max(profile.peak_flops.values()))
-
-    def rescaled(curve):
-        from torch_moe.distributed._tools.device_profiles import _interp
-
-        return fit_efficiency_curve(
-            [(x, peak * min(1.0, e * _interp(curve_scale, x))) for x, e in curve], peak)
-
-    return dataclasses.replace(
-        profile, gemm_efficiency=rescaled(profile.gemm_efficiency),
-        wgrad_efficiency=rescaled(profile.wgrad_efficiency),
-        sources=profile.sources + (
-            "GEMM curves scaled to grouped_ffn at rows " + ", ".join(
-                f"{int(x)}: {f:.2f}" for x, f in curve_scale),))
+    return min(_median_s(run, reps) for _ in range(3))
 
 
 def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
                                 dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
-    """Rate of the elementwise kernels ``grouped_ffn`` runs around its GEMMs on one block of
-    ``rows`` rows (SwiGLU), forward and backward, in the bytes
+    """Rate of an expert FFN's elementwise kernels on ``rows`` rows of width ``dim`` /
+    ``hidden_dim`` (SwiGLU), forward and backward, in the bytes
     :func:`~torch_moe.distributed._tools.gemm_cost.ffn_elementwise_bytes` counts for them:
-    the same ATen calls on buffers of the same shapes, without the GEMMs."""
-    from torch_moe._native._cpu_features import accumulate_dtype
-    from torch_moe._native.activation import activation_backward, activation_forward
+    plain ATen calls (``index_select``, ``sigmoid``, ``mul_``, ``index_add_``, a row-wise
+    dot) on reused buffers, block by block as the CPU kernel walks its rows
+    (``torch_moe/_native/cpu.py``: ``_BLOCK_ROWS``), so every call's fixed cost is paid as
+    often; no GEMM and no torch_moe kernel."""
     from torch_moe._native.cpu import _BLOCK_ROWS as block
     from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
 
     _check_reps(reps)
     D, F, n = dim, hidden_dim, rows
     g = torch.Generator().manual_seed(0)
-    x, grad = torch.randn(n, D, generator=g, dtype=dtype), torch.randn(n, D, generator=g,
-                                                                       dtype=dtype)
+    x, grad = (torch.randn(n, D, generator=g).to(dtype) for _ in range(2))
     idx = torch.randperm(n, generator=g)
-    w = torch.rand(n, 1, generator=g, dtype=dtype)
-    h = torch.randn(n, 2 * F, generator=g, dtype=dtype)
+    w = torch.rand(n, 1, generator=g).to(dtype)
+    h = torch.randn(n, 2 * F, generator=g).to(dtype)
     X, G, o, dX = (torch.empty(n, D, dtype=dtype) for _ in range(4))
-    act, dA = torch.empty(n, F, dtype=dtype), torch.randn(n, F, generator=g, dtype=dtype)
+    act, s = torch.empty(n, F, dtype=dtype), torch.empty(n, F, dtype=dtype)
+    dA = torch.randn(n, F, generator=g).to(dtype)
     dH = torch.empty(n, 2 * F, dtype=dtype)
-    acc = torch.zeros(n, D, dtype=accumulate_dtype(dtype))
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = torch.zeros(n, D, dtype=acc_dtype)
 
     def add_rows(i, src):
-        # the kernel converts each block to the accumulation dtype before index_add_
+        # sums across experts accumulate in fp32 at least: the block is converted first
         acc.index_add_(0, i, src if src.dtype == acc.dtype else src.to(acc.dtype))
 
+    def swiglu(hb, out):
+        gate, up = hb[:, :F], hb[:, F:]
+        return torch.sigmoid(gate, out=out).mul_(gate).mul_(up)
+
     def run():
-        # block by block, as the kernel walks its rows (torch_moe/_native/cpu.py: _BLOCK_ROWS),
-        # so the per-call cost of every kernel is paid as often
-        for s in range(0, n, block):
-            e = min(s + block, n)
-            i, hb, wb = idx[s:e], h[s:e], w[s:e]
+        for st in range(0, n, block):
+            e = min(st + block, n)
+            i, hb, wb = idx[st:e], h[st:e], w[st:e]
             # forward
-            torch.index_select(x, 0, i, out=X[s:e])
-            activation_forward("swiglu", hb, act[s:e], 1.702, 7.0)
-            o[s:e].copy_(X[s:e]).mul_(wb)  # stands in for the down projection's output
-            add_rows(i, o[s:e])
+            torch.index_select(x, 0, i, out=X[st:e])
+            swiglu(hb, act[st:e])
+            o[st:e].copy_(X[st:e]).mul_(wb)  # stands in for the down projection's output
+            add_rows(i, o[st:e])
             # backward
-            torch.index_select(grad, 0, i, out=G[s:e])
-            activation_forward("swiglu", hb, act[s:e], 1.702, 7.0)
-            torch.sum(dA[s:e] * act[s:e], dim=1)
-            act[s:e].mul_(wb)
-            activation_backward("swiglu", dA[s:e].mul_(wb), hb, dH[s:e], 1.702, 7.0)
-            torch.index_select(x, 0, i, out=dX[s:e])
-            add_rows(i, dX[s:e])
+            torch.index_select(grad, 0, i, out=G[st:e])
+            swiglu(hb, act[st:e])
+            torch.sum(dA[st:e] * act[st:e], dim=1)
+            act[st:e].mul_(wb)
+            da = dA[st:e].mul_(wb)
+            gate, up = hb[:, :F], hb[:, F:]
+            dg, du = dH[st:e, :F], dH[st:e, F:]
+            torch.sigmoid(gate, out=s[st:e])
+            torch.mul(gate, s[st:e], out=du).mul_(da)
+            torch.neg(s[st:e], out=dg).add_(1).mul_(gate).add_(1).mul_(s[st:e]).mul_(up) \
+                .mul_(da)
+            torch.index_select(x, 0, i, out=dX[st:e])
+            add_rows(i, dX[st:e])
 
     # the stand-in copy_ of the forward is D extra bytes read per row; count it
-    fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, torch.finfo(dtype).bits // 8)
-    return (fwd + bwd + n * D * (torch.finfo(dtype).bits // 8)) / _median_s(run, reps)
-
-
-def measure_layer_overhead_s(reps: int = 5) -> float:
-    """Seconds of one forward + backward of a minimal :class:`torch_moe.nn.MoE` (2 tokens,
-    ``D = F = 8``, 2 experts, top-1): the fixed host cost of a layer call (router, token sort,
-    op dispatch, autograd), where the arithmetic is negligible. Includes one non-empty group's
-    share of the per-group cost, which is small."""
-    from torch_moe.nn.modules.moe import MoE, MoEConfig
-
-    _check_reps(reps)
-    layer = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=1))
-    x = torch.randn(2, 8, requires_grad=True)
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        layer(x).sum().backward()
-
-    return min(_median_s(run, reps) for _ in range(3))
+    b = torch.finfo(dtype).bits // 8
+    fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, b)
+    return (fwd + bwd + n * D * b) / _median_s(run, reps)
 
 
 def measure_copy_bandwidth_Bps(nbytes: int = 64 * _MiB, reps: int = 5) -> float:
@@ -378,51 +400,61 @@ def measure_all_to_all(group, small_bytes: int = 1024, large_bytes: int = 4 * _M
     return max(0.0, t_small - slope * b_small), 1.0 / slope
 
 
-def measure_dispatch_row_s(group, profile: DeviceProfile, dim: int, hidden_dim: int,
-                           tokens: int = 2048, reps: int = 5) -> float:
-    """Host seconds per dispatched row of :func:`torch_moe.distributed.dispatch.
-    expert_parallel_moe_ffn` beyond what ``profile`` already prices: forward + backward on a
-    uniform synthetic load (``2 * R`` experts, top-1, ``tokens`` per rank, plain dispatch),
-    the slowest rank's median, minus the cost model's time for it without a router; what is
-    left, over the rows each rank dispatches. Collective: every rank calls it."""
+def measure_overlap_efficiency(group, nbytes: int = 4 * _MiB, reps: int = 5,
+                               dims: tuple = _FULL_DIMS) -> float:
+    """Share of the shorter of a communication and a computation that runs hidden when both
+    are in flight, as a chunked dispatch has them: an ``all_to_all_single`` of ``nbytes``
+    per rank issued asynchronously while the rank runs ``torch.mm`` calls at the
+    calibration widths ``dims`` sized to take about as long, against each alone:
+    ``(t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clipped to [0, 1]. On gloo the
+    transfer runs on gloo's own threads and competes with the GEMMs for the cores. Rank 0's
+    figure is broadcast. Collective: every rank of ``group`` must call it."""
     import torch.distributed as dist
 
-    from torch_moe.distributed._tools.cost_model import MoELayerSpec, MoEStrategy, moe_layer_cost
-    from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
-
     _check_reps(reps)
-    R = dist.get_world_size(group)
-    E, k = 2 * R, 1
-    rank = dist.get_rank(group)
-    g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(tokens, dim, generator=g).requires_grad_()
-    # every expert gets tokens // 2 of each rank's tokens: a uniform, known load
-    ids = (torch.arange(tokens) % E).view(tokens, 1)
-    weights = torch.rand(tokens, k, generator=g).requires_grad_()
-    w1, w3 = (torch.randn(2, dim, hidden_dim, generator=g).div_(dim ** 0.5).requires_grad_()
-              for _ in range(2))
-    w2 = torch.randn(2, hidden_dim, dim, generator=g).div_(hidden_dim ** 0.5).requires_grad_()
+    world = dist.get_world_size(group)
+    n = max(world, nbytes // 4 // world * world)
+    send, recv = torch.ones(n), torch.empty(n)
+    d, f = dims
+    a, b = torch.randn(256, d), torch.randn(d, f)
+    out = torch.empty(256, f)
 
-    def step():
-        for t in (x, weights, w1, w2, w3):
-            t.grad = None
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        y = expert_parallel_moe_ffn(x, ids, weights, w1, w2, w3, num_experts=E, group=group)
-        y.sum().backward()
-        return time.perf_counter() - t0
+    def comm():
+        dist.all_to_all_single(recv, send, group=group)
 
-    step()
-    slowest = torch.tensor([statistics.median(step() for _ in range(reps))],
-                           dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    spec = MoELayerSpec(dim, hidden_dim, E, k)
-    prec = "fp32" if "fp32" in profile.peak_flops else "bf16"
-    pred = moe_layer_cost(spec, MoEStrategy(ep=R, dispatch="plain", precision=prec),
-                          dataclasses.replace(profile, dispatch_row_s=0.0), tokens,
-                          gpus_per_node=R)
-    residual = slowest.item() - (pred.total_s - pred.router_s)
-    return max(0.0, residual) / (tokens * k)
+    def mms(calls):
+        for _ in range(calls):
+            torch.mm(a, b, out=out)
+
+    def timed(fn):
+        def run():
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+
+        run()
+        return statistics.median(run() for _ in range(reps))
+
+    t_comm = timed(comm)
+    t_mm = timed(lambda: mms(8)) / 8
+    # every rank runs the same number of GEMMs (rank 0's choice)
+    calls = torch.tensor([max(1, round(t_comm / max(t_mm, 1e-9)))], dtype=torch.int64)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(calls, src=src, group=group)
+    calls = int(calls.item())
+    t_comp = timed(lambda: mms(calls))
+
+    def both():
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        mms(calls)
+        work.wait()
+
+    t_both = timed(both)
+    eta = (t_comm + t_comp - t_both) / max(min(t_comm, t_comp), 1e-12)
+    t = torch.tensor([min(1.0, max(0.0, eta))], dtype=torch.float64)
+    dist.broadcast(t, src=src, group=group)
+    return float(t.item())
 
 
 def fit_efficiency_curve(points, peak: float) -> tuple[tuple[float, float], ...]:
@@ -441,44 +473,52 @@ def fit_efficiency_curve(points, peak: float) -> tuple[tuple[float, float], ...]
     return tuple(out)
 
 
-def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False, group=None,
-                    name: str = "local-cpu") -> DeviceProfile:
-    """Measure this machine. ``dim`` and ``hidden_dim`` set the GEMM shapes (use the layer's
-    own); ``group`` adds the all-to-all fit (collective: all ranks call together).
+def _curves(dtype, rows, dims, reps, work):
+    """``(peak, forward curve, weight-gradient curve)`` of ``dtype`` at widths ``dims``."""
+    d, f = dims
+    fwd = measure_gemm_curve(rows, d, f, dtype, False, reps, flops_per_timing=work)
+    wgr = measure_gemm_curve(rows, d, f, dtype, True, reps, flops_per_timing=work)
+    peak = max(r for _, r in fwd + wgr)
+    return peak, fit_efficiency_curve(fwd, peak), fit_efficiency_curve(wgr, peak)
 
-    The GEMM curves are measured in the dtype torch_moe's CPU kernels compute in: bf16 where the
-    CPU has bf16 GEMM instructions, else fp32 (bf16 operands are converted,
-    ``torch_moe/_native/_cpu_features.py``), in which case the bf16 and fp32 peaks are the same
-    measured fp32 rate."""
+
+def calibrate_local(quick: bool = False, group=None, name: str = "local-cpu") -> DeviceProfile:
+    """Measure this machine at the calibration shapes (:data:`CALIBRATION_DIMS`,
+    :data:`CALIBRATION_ROWS`); ``group`` adds the all-to-all fit and the overlap measurement
+    (collective: all ranks call together, so core sharing between ranks is in every figure).
+
+    The GEMM curves are measured in fp32 and in bf16 where the CPU computes bf16 GEMMs natively
+    (``torch_moe/_native/_cpu_features.py``); elsewhere bf16 operands are converted to fp32,
+    and bf16 gets the fp32 curves and peak. The elementwise rate is measured in bf16's compute
+    dtype."""
     from torch_moe._native._cpu_features import gemm_compute_dtype
 
     if quick:
-        rows, reps = (4, 32, 256), 1
-        dim, hidden_dim = min(dim, 128), min(hidden_dim, 64)
-        copy_bytes, fault_bytes, groups, ew_rows = 4 * _MiB, 40 * _MiB, 16, 64
+        dims, rows, reps, work = _QUICK_DIMS, _QUICK_ROWS, 1, 1e8
+        copy_bytes, fault_bytes, groups, ew_rows, a2a_bytes = 4 * _MiB, 40 * _MiB, 16, 64, _MiB
     else:
-        rows, reps = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), 5
-        copy_bytes, fault_bytes, groups, ew_rows = 64 * _MiB, 64 * _MiB, 256, 4096
+        dims, rows, reps, work = _FULL_DIMS, CALIBRATION_ROWS, 5, 2e9
+        copy_bytes, fault_bytes, groups, ew_rows, a2a_bytes = (64 * _MiB, 64 * _MiB, 256,
+                                                                4096, 4 * _MiB)
     bf16_dtype = gemm_compute_dtype(torch.bfloat16)
-    fwd = measure_gemm_curve(rows, dim, hidden_dim, bf16_dtype, False, reps)
-    wgr = measure_gemm_curve(rows, dim, hidden_dim, bf16_dtype, True, reps)
-    peak_bf16 = max(f for _, f in fwd + wgr)
+    peak32, fwd32, wgr32 = _curves(torch.float32, rows, dims, reps, work)
     if bf16_dtype == torch.float32:
-        peak_fp32 = peak_bf16
+        peak16, fwd16, wgr16 = peak32, fwd32, wgr32
     else:
-        (_, peak_fp32), = measure_gemm_curve((rows[-1],), dim, hidden_dim, torch.float32, False,
-                                             reps)
+        peak16, fwd16, wgr16 = _curves(bf16_dtype, rows, dims, reps, work)
     if group is not None:
-        alpha, bw = measure_all_to_all(group, reps=reps)
+        alpha, bw = measure_all_to_all(group, large_bytes=a2a_bytes, reps=reps)
+        overlap = measure_overlap_efficiency(group, a2a_bytes, reps, dims)
     else:
         alpha, bw = REFERENCE_CPU.intra_node_latency_s, REFERENCE_CPU.intra_node_bandwidth_Bps
+        overlap = None
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = REFERENCE_CPU.memory_bytes
-    parts = DeviceProfile(
+    return DeviceProfile(
         name=name,
-        peak_flops={"bf16": peak_bf16, "fp32": peak_fp32},
+        peak_flops={"bf16": peak16, "fp32": peak32},
         memory_bytes=float(ram),
         memory_bandwidth_Bps=measure_copy_bandwidth_Bps(copy_bytes, reps),
         intra_node_bandwidth_Bps=bw,
@@ -486,28 +526,20 @@ def calibrate_local(dim: int = 1024, hidden_dim: int = 256, quick: bool = False,
         inter_node_bandwidth_Bps=bw,
         inter_node_latency_s=alpha,
         gemm_tile_rows=1,
-        gemm_efficiency=fit_efficiency_curve(fwd, peak_bf16),
-        wgrad_efficiency=fit_efficiency_curve(wgr, peak_bf16),
+        gemm_efficiency=fwd16,
+        wgrad_efficiency=wgr16,
+        precision_curves={"bf16": (fwd16, wgr16), "fp32": (fwd32, wgr32)},
         gemm_call_s=0.0,
-        per_group_s=measure_group_overhead_s(reps, groups),
-        elementwise_bandwidth_Bps=measure_ffn_elementwise_Bps(dim, hidden_dim, ew_rows,
-                                                              bf16_dtype, reps),
+        per_group_s=measure_mm_call_s(reps, groups),
+        elementwise_bandwidth_Bps=measure_ffn_elementwise_Bps(*dims, ew_rows, bf16_dtype, reps),
         layer_overhead_s=measure_layer_overhead_s(reps),
         fresh_alloc_threshold_bytes=32 * _MiB,
         page_fault_s_per_byte=measure_page_fault_s_per_byte(fault_bytes, reps),
-        sources=(f"calibrate_local(dim={dim}, hidden_dim={hidden_dim}, quick={quick}) on "
-                 f"{torch.get_num_threads()} threads, torch {torch.__version__}, GEMMs in "
+        overlap_efficiency=overlap,
+        sources=(f"calibrate_local(quick={quick}) at D, F = {dims} on "
+                 f"{torch.get_num_threads()} threads, torch {torch.__version__}, bf16 GEMMs in "
                  f"{str(bf16_dtype).replace('torch.', '')}",),
     )
-    ffn_rows = (4, 32) if quick else (4, 16, 64, 256, 1024, 4096)
-    ffn_total = 256 if quick else 8192
-    kernel = measure_grouped_ffn_s(ffn_rows, dim, hidden_dim, bf16_dtype, reps, ffn_total)
-    profile = fit_to_grouped_ffn(parts, kernel, dim, hidden_dim,
-                                 "fp32" if bf16_dtype == torch.float32 else "bf16")
-    if group is not None:
-        profile = dataclasses.replace(profile, dispatch_row_s=measure_dispatch_row_s(
-            group, profile, dim, hidden_dim, 256 if quick else 2048, reps))
-    return profile
 
 
 def average_profiles(profiles, name: str | None = None) -> DeviceProfile:
@@ -526,6 +558,12 @@ def average_profiles(profiles, name: str | None = None) -> DeviceProfile:
                                  f"{curve} of {p.name!r} and {first.name!r} differ")
         if set(p.peak_flops) != set(first.peak_flops):
             raise ValueError("expected profiles with the same precisions")
+        if set(p.precision_curves) != set(first.precision_curves) or any(
+                [r for r, _ in c] != [r for r, _ in c0]
+                for prec in first.precision_curves
+                for c, c0 in zip(p.precision_curves[prec], first.precision_curves[prec])):
+            raise ValueError(f"expected profiles with precision_curves at the same rows, but "
+                             f"{p.name!r} and {first.name!r} differ")
 
     def mean(values):
         return sum(values) / len(values)
@@ -540,6 +578,16 @@ def average_profiles(profiles, name: str | None = None) -> DeviceProfile:
             fields[f.name] = tuple(
                 (r, mean([c[i][1] * pk for c, pk in zip(values, peaks)]) / mean(peaks))
                 for i, (r, _) in enumerate(values[0]))
+        elif f.name == "precision_curves":
+            fields[f.name] = {
+                prec: tuple(tuple(
+                    (r, mean([p.precision_curves[prec][j][i][1] * p.peak_flops[prec]
+                              for p in profiles]) / mean([p.peak_flops[prec] for p in profiles]))
+                    for i, (r, _) in enumerate(curve))
+                    for j, curve in enumerate(pair))
+                for prec, pair in first.precision_curves.items()}
+        elif f.name == "overlap_efficiency":
+            fields[f.name] = None if None in values else mean(values)
         elif f.name == "peak_flops":
             fields[f.name] = {k: mean([v[k] for v in values]) for k in values[0]}
         elif f.name == "sources":

@@ -15,9 +15,11 @@ width ``F / etp``.
 The time of one pass (forward, then backward) with ``c`` chunks is a three-stage pipeline,
 dispatch -> compute -> combine, whose two communication stages share the links::
 
-    pass_s = d + q + p + (c - 1) * max(d + q, p)
+    pass_s = d + q + p + (c - 1) * (max(d + q, p) + (1 - eta) * min(d + q, p))
 
-with ``d``, ``p``, ``q`` the per-chunk dispatch, compute and combine times. ``c = 1`` exposes
+with ``d``, ``p``, ``q`` the per-chunk dispatch, compute and combine times and ``eta`` the
+profile's ``overlap_efficiency`` (the share of the shorter stage that runs hidden behind the
+longer one: measured on the CPU over gloo, 1 where unmeasured). ``c = 1`` exposes
 all communication; more chunks hide it behind compute but shrink every per-expert GEMM (lower
 efficiency, more tile padding) and repeat per-call latencies and, on the CPU, the fresh weight
 gradient allocations of each chunk's backward.
@@ -347,7 +349,9 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
         st = gemm_cost.expert_ffn_time(profile, prec, [Tc], D, layer.shared_width, layer.gated,
                                        recompute_up=strategy.recompute == "moe")
         shared_f, shared_b = st.forward_s, st.backward_s
-    router_f = gemm_cost.grouped_gemm_time_s(profile, "bf16" if "bf16" in profile.peak_flops
+    # the router computes in fp32 whatever the layer's dtype (torch_moe.nn.MoE: x.float() @
+    # weight.float().t()); a device without fp32 GEMMs in its profile runs it in prec
+    router_f = gemm_cost.grouped_gemm_time_s(profile, "fp32" if "fp32" in profile.peak_flops
                                              else prec, [Tc], E, D)
     router_b = 2 * router_f
     h_local = (2 if layer.gated else 1) * f_local
@@ -442,8 +446,14 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
         # backward reruns the forward, its all-to-alls included
         p_b, d_b, q_b = p_b + p_f, d_b + d_f, q_b + q_f
 
+    # the fraction of the shorter stage a chunk hides behind the longer one: measured on the
+    # CPU (calibrate.measure_overlap_efficiency: an all-to-all in flight during GEMMs on gloo);
+    # unmeasured (None, the GPU profiles) is taken as a perfect pipeline
+    eta = 1.0 if profile.overlap_efficiency is None else profile.overlap_efficiency
+
     def pipelined(d: float, p: float, q_: float) -> float:
-        return d + q_ + p + (c - 1) * max(d + q_, p)
+        comm = d + q_
+        return comm + p + (c - 1) * (max(comm, p) + (1.0 - eta) * min(comm, p))
 
     total = pipelined(d_f, p_f, q_f) + pipelined(d_b, p_b, q_b)
     expert_gemm = c * (fwd_e + bwd_e + rec_e + (fwd_e if strategy.recompute == "full" else 0))

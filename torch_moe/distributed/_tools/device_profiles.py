@@ -106,6 +106,10 @@ class DeviceProfile:
             (0.26 against 0.37 of peak for 32-row groups on :data:`REFERENCE_CPU`).
         precision_efficiency: multiplier of the curves per precision (quantized GEMMs reach a
             lower fraction of their higher peak); 1.0 when absent.
+        precision_curves: ``{precision: (gemm_efficiency, wgrad_efficiency)}``, curves measured
+            for one precision that replace the two above for it (a CPU's fp32 and bf16 GEMMs
+            have curves of different shapes, not one curve at two peaks); the multiplier of
+            ``precision_efficiency`` does not apply to them.
         gemm_call_s: fixed cost of one GEMM call (one ``torch.mm`` in the CPU loop; one grouped
             GEMM launch on a GPU).
         per_group_s: fixed cost per non-empty group inside one grouped call (CPU: Python loop
@@ -126,6 +130,11 @@ class DeviceProfile:
             page-fault on first touch (glibc's 32 MiB mmap ceiling on the CPU); ``inf`` where a
             caching allocator reuses blocks (CUDA / ROCm).
         page_fault_s_per_byte: extra cost per byte of such a fresh allocation.
+        overlap_efficiency: fraction of the shorter of a chunk's communication and compute that
+            runs hidden while both are in flight (1: a perfect pipeline; 0: no overlap at all),
+            as :func:`~torch_moe.distributed._tools.calibrate.measure_overlap_efficiency`
+            measures it; ``None`` where it was not measured (the GPU profiles): the cost model
+            then assumes a perfect pipeline, and the planner does not choose chunking from it.
         sources: where the published numbers come from.
     """
 
@@ -148,6 +157,8 @@ class DeviceProfile:
     dispatch_row_s: float = 0.0
     fresh_alloc_threshold_bytes: float = math.inf
     page_fault_s_per_byte: float = 0.0
+    precision_curves: dict = field(default_factory=dict)
+    overlap_efficiency: float | None = None
     sources: tuple = ()
 
     def __post_init__(self):
@@ -187,7 +198,21 @@ class DeviceProfile:
                 or self.gemm_tile_rows < 1:
             raise ValueError(f"{fn}: expected gemm_tile_rows to be a positive int, but got "
                              f"{self.gemm_tile_rows!r}")
+        if self.overlap_efficiency is not None and not 0 <= self.overlap_efficiency <= 1:
+            raise ValueError(f"{fn}: expected overlap_efficiency in [0, 1] or None, but got "
+                             f"{self.overlap_efficiency}")
         # frozen dataclass: normalise the curves (JSON gives lists) through object.__setattr__
+        curves = {}
+        for prec, pair in self.precision_curves.items():
+            if prec not in self.peak_flops:
+                raise ValueError(f"{fn}: expected precision_curves for precisions of "
+                                 f"peak_flops {tuple(self.peak_flops)}, but got {prec!r}")
+            if len(pair) != 2:
+                raise ValueError(f"{fn}: expected precision_curves[{prec!r}] to be a pair "
+                                 f"(gemm_efficiency, wgrad_efficiency), but got {pair!r}")
+            curves[prec] = (_check_curve(f"precision_curves[{prec!r}][0]", pair[0]),
+                            _check_curve(f"precision_curves[{prec!r}][1]", pair[1]))
+        object.__setattr__(self, "precision_curves", curves)
         object.__setattr__(self, "gemm_efficiency",
                            _check_curve("gemm_efficiency", self.gemm_efficiency))
         object.__setattr__(self, "wgrad_efficiency",
@@ -213,6 +238,9 @@ class DeviceProfile:
                 0 <= rows < math.inf):
             raise ValueError(f"DeviceProfile.gemm_flops: expected rows to be a finite number "
                              f">= 0, but got {rows!r}")
+        if precision in self.precision_curves:
+            curve = self.precision_curves[precision][1 if wgrad else 0]
+            return self.peak_flops[precision] * _interp(curve, max(rows, 1.0))
         curve = self.wgrad_efficiency if wgrad else self.gemm_efficiency
         mult = self.precision_efficiency.get(precision, 1.0)
         return self.peak_flops[precision] * mult * _interp(curve, max(rows, 1.0))

@@ -6,7 +6,7 @@ to the kernel's row tile (tile quantisation: a group of 3 rows on a 128-row tile
 tile) and ``efficiency`` is the device's curve over the group's rows. So a skewed token
 distribution costs more than its mean would: many small groups sit low on the curve. A fixed
 ``gemm_call_s`` per grouped call and ``per_group_s`` per non-empty group model the launch and,
-on the CPU, the Python loop over ``torch.mm``.
+on the CPU, the Python loop over ``torch.mm`` (one call per group and grouped GEMM).
 
 Quantize kernels (FP8 rowwise, MXFP8) are memory bound: their time is the bytes they move
 (high-precision read, FP8 and scales written) over the memory bandwidth. Dequantization is
@@ -29,7 +29,7 @@ from torch_moe.distributed._tools.device_profiles import PRECISIONS, DeviceProfi
 from torch_moe.quantization._formats import BLOCK_SIZE as MX_BLOCK_SIZE
 
 __all__ = [
-    "EXPERT_FFN_GROUPED_CALLS",
+    "expert_ffn_gemm_calls",
     "ExpertFFNTime",
     "as_counts",
     "gemm_time_s",
@@ -110,8 +110,12 @@ def grouped_gemm_time_s(profile: DeviceProfile, precision: str, counts, n: int, 
     return profile.gemm_call_s + profile.per_group_s * len(groups) + body
 
 
-# grouped GEMM calls of expert_ffn_time: up, down, two input-gradient and two weight-gradient
-EXPERT_FFN_GROUPED_CALLS = 6
+def expert_ffn_gemm_calls(gated: bool = True) -> int:
+    """Grouped GEMM calls of :func:`expert_ffn_time`, forward + backward: one ``torch.mm``
+    per non-empty group each in the CPU kernel. Gated (separate ``w1``, ``w3``): gate, up and
+    down forward; ``dA``, two ``dX`` halves, and the ``w2``, ``w1``, ``w3`` gradients
+    backward (9). Plain: up, down; ``dA``, ``dX``, ``w2`` and ``w1`` gradients (6)."""
+    return 9 if gated else 6
 
 
 @dataclass(frozen=True)
@@ -148,19 +152,25 @@ def expert_ffn_time(profile: DeviceProfile, precision: str, counts, dim: int, hi
         gated: SwiGLU-style (``H = 2F``) rather than a plain activation (``H = F``).
         recompute_up: the up projection is recomputed in backward (its output not saved).
 
-    This mirrors ``grouped_ffn`` / ``grouped_ffn_backward`` of ``torch_moe/_native/cpu.py``:
-    the activation is always recomputed from the saved ``hidden`` (elementwise, not counted
-    here), and backward runs 2 dgrad and 2 wgrad GEMMs, twice the forward FLOPs.
+    This mirrors the GEMMs ``grouped_ffn`` / ``grouped_ffn_backward`` of
+    ``torch_moe/_native/cpu.py`` issue per group, in their shapes (``[M, K] @ [K, N]``, the
+    token-major form unless the tokens are the contraction): forward, gate and up
+    ``[n, D] @ [D, F]`` each (gated experts hold ``w1`` and ``w3`` apart) and down
+    ``[n, F] @ [F, D]``; backward, ``dA = G w2^T`` ``[n, D] @ [D, F]``, ``dX`` ``[n, F] @
+    [F, D]`` per up-projection matrix, and the weight gradients ``[F, n] @ [n, D]`` (w2) and
+    ``[D, n] @ [n, F]`` per up-projection matrix. The activation is always recomputed from
+    the saved ``hidden`` (elementwise, not counted here); backward is twice the forward FLOPs.
     """
     _positive("dim", dim)
     _positive("hidden_dim", hidden_dim)
-    h = 2 * hidden_dim if gated else hidden_dim
-    up = grouped_gemm_time_s(profile, precision, counts, h, dim)
-    down = grouped_gemm_time_s(profile, precision, counts, dim, hidden_dim)
-    dgrad = (grouped_gemm_time_s(profile, precision, counts, hidden_dim, dim)  # dA = G w2^T
-             + grouped_gemm_time_s(profile, precision, counts, dim, h))  # dX = dH w13^T
-    wgrad = (grouped_gemm_time_s(profile, precision, counts, hidden_dim, dim, wgrad=True)
-             + grouped_gemm_time_s(profile, precision, counts, dim, h, wgrad=True))
+    ups = 2 if gated else 1
+    D, F = dim, hidden_dim
+    up = ups * grouped_gemm_time_s(profile, precision, counts, F, D)
+    down = grouped_gemm_time_s(profile, precision, counts, D, F)
+    dgrad = (grouped_gemm_time_s(profile, precision, counts, F, D)  # dA = G w2^T
+             + ups * grouped_gemm_time_s(profile, precision, counts, D, F))  # dX = dH w^T
+    wgrad = (grouped_gemm_time_s(profile, precision, counts, F, D, wgrad=True)  # act^T G
+             + ups * grouped_gemm_time_s(profile, precision, counts, D, F, wgrad=True))
     return ExpertFFNTime(up + down, dgrad, wgrad, up if recompute_up else 0.0)
 
 

@@ -114,7 +114,9 @@ def moe_activation_bytes(tokens: float, rows: float, dim: int, hidden_dim: int, 
         shared_hidden_dim: total FFN width of the shared experts (0 without them); they
             save ``T x D`` input rows and ``T x H_shared`` like a routed expert with all tokens.
         num_experts: ``E``; the router saves its fp32 logits and scores and the int64 order of
-            its stable top-k, ``T x E`` each (0 leaves the router out).
+            its stable top-k, ``T x E`` each, and, in a layer of another dtype than fp32, the
+            fp32 copies of its input ``T x D`` and weight ``E x D`` it computes from (0 leaves
+            the router out).
         dispatched: the expert rows arrived by all-to-all and are saved as their own
             ``S x D`` buffer; without expert parallelism the experts read the layer input.
         act_bytes: bytes per activation element (bf16: 2; an fp32 layer: 4).
@@ -131,6 +133,9 @@ def moe_activation_bytes(tokens: float, rows: float, dim: int, hidden_dim: int, 
     h = 2 * hidden_dim if gated else hidden_dim
     # int64 ids + fp32 weights per assignment, the router's T x E, the int64 sorted slots
     routing = tokens * top_k * (8 + 4) + tokens * num_experts * (4 + 4 + 8) + rows * 8
+    if num_experts and act_bytes != 4:
+        # the router computes in fp32: it saves fp32 copies of its input and weight
+        routing += (tokens + num_experts) * dim * 4
     e = act if precision in ("bf16", "fp32") else element_bytes(precision)
     received = rows * dim * e + scale_bytes(precision, rows, dim) if dispatched else 0.0
     total = layer_input + routing + received

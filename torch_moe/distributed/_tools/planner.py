@@ -433,15 +433,22 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_strategies(model: ModelSpec, cluster: ClusterSpec,
-                         chunks=(1, 2, 4), micro_batch_seqs=(1, 2, 4)) -> list[Strategy]:
+                         chunks=None, micro_batch_seqs=(1, 2, 4)) -> list[Strategy]:
     """Every strategy the cluster can lay out: EP dividing ``E``; ETP a power of two inside a
     node dividing ``F``; ``ep * etp`` dividing the ranks and fitting the node layout; every
     dispatch method the model allows; each precision the device has, uniformly and with the
     first and last MoE layers kept in bf16 (a common FP8 recipe); the given chunk counts and
-    micro-batch sizes that split the batch; all recompute and sharding modes."""
+    micro-batch sizes that split the batch; all recompute and sharding modes.
+
+    ``chunks=None`` tries 1, 2 and 4 chunks where the device profile's overlap was measured
+    (``overlap_efficiency`` set, as :func:`~torch_moe.distributed._tools.calibrate.
+    calibrate_local` does with a process group), and only 1 where it was not: the pipeline
+    term would otherwise pick chunking from an assumed perfect overlap."""
     owner = "candidate_strategies"
     _check_type(owner, "model", model, ModelSpec)
     _check_type(owner, "cluster", cluster, ClusterSpec)
+    if chunks is None:
+        chunks = (1,) if cluster.profile.overlap_efficiency is None else (1, 2, 4)
     for name, values in (("chunks", chunks), ("micro_batch_seqs", micro_batch_seqs)):
         if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
             raise ValueError(f"{owner}: expected {name} to be a sequence of positive ints, but "
