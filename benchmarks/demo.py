@@ -26,16 +26,36 @@ the loss, the throughput of all ranks together, the dispatch traffic of rank 0 p
 experts received per step. ``--dedup`` and ``--num-chunks`` are passed to the dispatcher; the
 layer benchmark is skipped.
 
+Restarts: with ``--checkpoint-dir D --checkpoint-every K`` the expert-parallel run saves a DCP
+checkpoint every K steps (:func:`torch_moe.distributed.checkpoint.atomic_checkpoint`: written
+under a temporary name, committed by a rename) holding the model (expert weights as
+``Shard(0)`` DTensors, the routers' expert bias), AdamW's state, the LR scheduler, the data
+position (the step: every rank samples its sequences up front from a seeded generator and
+takes the step's slice), every rank's torch CPU generator and the log so far. Started again
+with the same D and the same settings, it resumes from the latest complete checkpoint, so a
+job under ``torchrun --max-restarts N`` continues where it stopped, bit for bit: the final
+parameters equal those of an uninterrupted run. ``--save-final PATH`` writes the full (gathered)
+model and optimizer state from rank 0 with ``torch.save``. For tests of the restart path,
+``--fail-at-step N --fail-rank R`` makes rank R exit with status 1 after step N (after its
+checkpoint, if any), once: a marker file in D keeps the restarted run from failing again.
+Run restarts with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun's default of one TCPStore
+shared by every restart lets the new gloo group read the addresses of the dead one and fail or
+hang in ``init_process_group`` (pytorch/pytorch#135712), in about half of the restarts here.
+
     python benchmarks/demo.py
     python benchmarks/demo.py --steps 100 --no-benchmark    # a shorter run
     torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --steps 20
     torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --dedup --num-chunks 2
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \
+        benchmarks/demo.py --expert-parallel --steps 40 --checkpoint-dir /tmp/moe_ckpt \
+        --checkpoint-every 10 --fail-at-step 25
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -228,14 +248,98 @@ def train(args, balance: bool, train_NL: Tensor, label: str | None = None) -> di
 # --------------------------------------------------------------------------
 
 
+# the settings a checkpoint must have been written with to be resumed: they define the data,
+# the model and the optimization (--steps too: it sets how many sequences each rank samples)
+RESUME_SETTINGS = ("steps", "batch", "seq_len", "vocab", "successors", "dim", "heads", "layers",
+                   "ffn_dim", "experts", "top_k", "lr", "warmup_steps", "bias_update_rate",
+                   "seed", "precision", "dedup", "num_chunks")
+
+
+def _restart_state(args, step: int, history: dict, schedule, ep_mesh) -> dict:
+    """What a restart needs besides the model (its parameters and the routers' expert bias, a
+    persistent buffer) and the optimizer: the ``extra_state`` of the checkpoint.
+
+    The MoE layers' ``tokens_per_expert`` counts are not in it: ``update_expert_bias`` resets
+    them every step, before a checkpoint is written. The loop draws from no generator today
+    (the data are sampled up front, nothing is dropped out); each rank's torch CPU generator is
+    saved all the same, as one row of an ``[R, 5056]`` ``Shard(0)`` DTensor, so that adding
+    dropout or router noise keeps restarts exact. State added later gets a key of its own here,
+    e.g. ``"placement": {"phys_to_logical": ..., "logical_to_phys": ...}`` (tensors of a fixed
+    shape are read in place; other values, such as tables whose shape changes when the
+    replicas are rebalanced, are saved pickled and replaced on load).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    return {
+        # the same on every rank: saved once
+        "train": {"step": step, "settings": {k: getattr(args, k) for k in RESUME_SETTINGS},
+                  "history": history},
+        "scheduler": schedule.state_dict(),
+        # one per rank
+        "rng": {"cpu": DTensor.from_local(torch.get_rng_state().unsqueeze(0), ep_mesh,
+                                          [Shard(0)])},
+    }
+
+
+def _resume(args, path: str, model, optimizer, schedule, ep_mesh,
+            history: dict) -> tuple[int, dict]:
+    """Loads the checkpoint at ``path`` into the model, the optimizer, the scheduler and this
+    rank's generator; returns the step it was written after and the log up to it (``history``,
+    the empty log, gives its keys)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from torch_moe.distributed.checkpoint import load_expert_parallel_checkpoint
+
+    world_size = dist.get_world_size()
+    saved_ranks = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["rng.cpu"].size[0]
+    if saved_ranks != world_size:
+        raise SystemExit(f"demo.py: {path} was written by {saved_ranks} ranks, this run has "
+                         f"{world_size}: resuming needs the same number of ranks (each rank has "
+                         f"its own data and generator)")
+    state = _restart_state(args, 0, history, schedule, ep_mesh)
+    load_expert_parallel_checkpoint(model, optimizer, checkpoint_id=path, extra_state=state)
+    settings = {k: getattr(args, k) for k in RESUME_SETTINGS}
+    changed = {k: (v, settings[k]) for k, v in state["train"]["settings"].items()
+               if settings.get(k) != v}
+    if changed:
+        raise SystemExit(f"demo.py: {path} was written with other settings, (saved, now): "
+                         f"{changed}; resume with the same settings or another --checkpoint-dir")
+    schedule.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["cpu"].to_local()[0])
+    return state["train"]["step"], state["train"]["history"]
+
+
+def _inject_fault(args, step: int, rank: int) -> None:
+    """``--fail-at-step``: rank ``--fail-rank`` exits with status 1 after ``step``, the first
+    time only (torchrun re-runs the same command when it restarts the group)."""
+    if step != args.fail_at_step or rank != args.fail_rank:
+        return
+    marker = Path(args.checkpoint_dir) / f"fault_injected_step_{step}_rank_{rank}"
+    if marker.exists():
+        return
+    with open(marker, "w") as f:
+        f.write("demo.py --fail-at-step: this rank exited here once\n")
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"  [fault injection] rank {rank} exits with status 1 after step {step}", flush=True)
+    os._exit(1)  # no clean-up, no barrier: what a crashed process looks like to the others
+
+
 def train_expert_parallel(args, P_VV: Tensor) -> dict:
     """Trains the model (expert-bias update on) with EP = world size; returns rank 0's history
-    (every rank returns the same global losses)."""
+    (every rank returns the same global losses). With ``--checkpoint-dir`` it resumes from the
+    latest complete checkpoint there and saves one every ``--checkpoint-every`` steps."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from torch_moe.distributed.checkpoint import (
+        atomic_checkpoint,
+        latest_checkpoint,
+        save_expert_parallel_checkpoint,
+    )
     from torch_moe.distributed.dispatch import read_dispatch_counters, reset_dispatch_counters
     from torch_moe.distributed.parallel import ExpertParallel
 
@@ -263,9 +367,22 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
                                 args.seed + 1 + 1000 * rank)
     tokens_per_step = world_size * args.batch * (args.seq_len - 1)  # all ranks together
     history = dict(label=f"EP={world_size}", losses=[], imbalances=[], tokens_per_s=[])
+    done = 0  # steps already taken
+    if args.checkpoint_dir is not None:
+        found = latest_checkpoint(args.checkpoint_dir)  # rank 0 picks, every rank loads it
+        if found is not None:
+            done, history = _resume(args, found[1], model, optimizer, schedule, ep_mesh,
+                                    history)
+            if lead:
+                restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                print(f"  [EP={world_size}] resuming from {found[1]}: {done} steps done "
+                      f"(torchrun restart count {restarts})", flush=True)
+        elif lead:
+            print(f"  [EP={world_size}] no checkpoint in {args.checkpoint_dir}: starting at step 1",
+                  flush=True)
     window = Window()
     traffic = torch.zeros(3, dtype=torch.float64)  # window sums: bytes sent, received, rows in
-    for step in range(1, args.steps + 1):
+    for step in range(done + 1, args.steps + 1):
         batch_BL = train_NL[(step - 1) * args.batch: step * args.batch]
         reset_dispatch_counters()
         start = time.perf_counter()
@@ -296,7 +413,9 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
                                  counters["rows_received"]], dtype=torch.float64)
         window.add(loss.item(), seconds, load_NE)
 
-        if step % args.log_every == 0 or step == args.steps:
+        save = args.checkpoint_dir is not None and step % args.checkpoint_every == 0
+        # a checkpoint ends a log window, so that the log it saves is complete
+        if step % args.log_every == 0 or step == args.steps or save:
             n = len(window.losses)
             stats = torch.tensor([sum(window.losses), window.seconds], dtype=torch.float64)
             dist.all_reduce(stats)
@@ -321,6 +440,28 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
                       + f"  imbalance {imbalance:5.2f}", flush=True)
             window = Window()
             traffic.zero_()
+        if save:
+            with atomic_checkpoint(args.checkpoint_dir, step) as checkpoint_id:
+                save_expert_parallel_checkpoint(
+                    model, optimizer, checkpoint_id=checkpoint_id,
+                    extra_state=_restart_state(args, step, history, schedule, ep_mesh))
+            if lead:
+                print(f"  [EP={world_size}] step {step:4d}  checkpoint committed in "
+                      f"{args.checkpoint_dir}", flush=True)
+        if args.fail_at_step is not None:
+            _inject_fault(args, step, rank)
+
+    if args.save_final is not None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
+
+        # full tensors gathered to rank 0 (the others get empty dicts)
+        model_sd, optim_sd = get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if lead:
+            torch.save({"model": model_sd, "optim": optim_sd,
+                        "scheduler": schedule.state_dict()}, args.save_final)
+            print(f"  [EP={world_size}] final model and optimizer state saved to "
+                  f"{args.save_final}", flush=True)
     return history
 
 
@@ -337,6 +478,9 @@ def main_expert_parallel(args) -> int:
         if args.precision != "bf16":
             raise SystemExit("demo.py --expert-parallel: expert parallelism supports "
                              f"--precision bf16 only, got {args.precision}")
+        if not 0 <= args.fail_rank < world_size:
+            raise SystemExit(f"demo.py --expert-parallel: --fail-rank must be a rank in "
+                             f"[0, {world_size}), got {args.fail_rank}")
         P_VV = make_markov_chain(args.vocab, args.successors, args.seed)
         floor = entropy_rate(P_VV)
         if rank == 0:
@@ -352,6 +496,11 @@ def main_expert_parallel(args) -> int:
                   f"{math.log(args.vocab):.3f}; loss = mean over the ranks; bytes = rank 0's "
                   "dispatch traffic over all MoE layers; imbalance = max/mean of the global "
                   "per-expert counts\n")
+            if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+                    and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+                print("note: torchrun shares one TCPStore across restarts; a restarted group "
+                      "can fail or hang in init_process_group (pytorch/pytorch#135712): set "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n")
             print(f"-- training with expert parallelism, EP={world_size}")
         h = train_expert_parallel(args, P_VV)
         loss_fell = _mean(h["losses"][-10:]) < h["losses"][0]
@@ -405,7 +554,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="expert parallel: one dispatched row per (token, destination rank)")
     ap.add_argument("--num-chunks", type=int, default=1,
                     help="expert parallel: chunks whose exchanges overlap the expert compute")
-    return ap.parse_args(argv)
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="expert parallel: resume from the latest complete checkpoint here, and "
+                    "save one every --checkpoint-every steps")
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help="expert parallel: steps between checkpoints (with --checkpoint-dir)")
+    ap.add_argument("--save-final", default=None,
+                    help="expert parallel: torch.save the full model and optimizer state here "
+                    "(rank 0) at the end")
+    ap.add_argument("--fail-at-step", type=int, default=None,
+                    help="expert parallel, fault injection for restart tests: --fail-rank "
+                    "exits with status 1 after this step, once (a marker in --checkpoint-dir)")
+    ap.add_argument("--fail-rank", type=int, default=0,
+                    help="the rank that --fail-at-step stops")
+    args = ap.parse_args(argv)
+    restart_flags = [f"--{k.replace('_', '-')}" for k in
+                     ("checkpoint_dir", "checkpoint_every", "save_final", "fail_at_step")
+                     if getattr(args, k) is not None]
+    if restart_flags and not args.expert_parallel:
+        ap.error(f"{', '.join(restart_flags)}: only with --expert-parallel")
+    if (args.checkpoint_dir is None) != (args.checkpoint_every is None):
+        ap.error("--checkpoint-dir and --checkpoint-every go together")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        ap.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.fail_at_step is not None and (args.checkpoint_dir is None
+                                          or not 1 <= args.fail_at_step <= args.steps):
+        ap.error(f"--fail-at-step needs --checkpoint-dir and a step in [1, --steps], got "
+                 f"{args.fail_at_step}")
+    return args
 
 
 def summarize(runs: list[dict], floor: float, skip_windows: int) -> bool:

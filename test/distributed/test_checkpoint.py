@@ -7,21 +7,29 @@
   then runs as a single process): a placement on one rank with replicas, loading every rank of
   multi-rank placements (loading is local to a rank), plain ``[E, ...]`` tensors, and the
   model + Adam helpers on a plain model;
-* the ``ValueError`` of every public function on bad input.
+* the ``ValueError`` of every public function on bad input;
+* restarts: the atomic commit of ``atomic_checkpoint`` (a save interrupted while written, or a
+  directory without DCP ``.metadata``, is never what ``latest_checkpoint`` picks; the next save
+  removes stale temporary directories), the checks of both, and ``extra_state`` of the
+  model + optimizer helpers.
 
-The multi-process chain (4 -> 2 -> 1 -> 4 ranks) is in ``test_checkpoint_gloo.py``.
+The multi-process chain (4 -> 2 -> 1 -> 4 ranks) is in ``test_checkpoint_gloo.py``; a kill and
+restart under torchrun in ``test_restart_torchrun.py``.
 
 Run: ``python -m pytest test/distributed/test_checkpoint.py -q`` from the repo root, or
 ``python test/distributed/test_checkpoint.py``.
 """
 
 import os
+import shutil
 import tempfile
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -30,7 +38,9 @@ from torch.testing._internal.common_utils import (
 )
 
 from torch_moe.distributed.checkpoint import (
+    atomic_checkpoint,
     expert_runs,
+    latest_checkpoint,
     load_expert_parallel_checkpoint,
     load_logical_expert_state_dict,
     logical_expert_state_dict,
@@ -341,6 +351,248 @@ class TestBadInput(TestCase):
         with self.assertRaisesRegex(ValueError, "expected optimizers to be "
                                                 "torch.optim.Optimizer, but got str"):
             save_expert_parallel_checkpoint(net, ["adam"], checkpoint_id=self.ckpt)
+
+
+def _dcp_save(state, checkpoint_id):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP runs as a single process without a process group
+        dcp.save(state, checkpoint_id=checkpoint_id)
+
+
+class TestAtomicCheckpoint(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self._tmp.cleanup)
+        self.dir = os.path.join(self._tmp.name, "ckpt")
+
+    def save(self, step, value):
+        with atomic_checkpoint(self.dir, step) as checkpoint_id:
+            self.assertEqual(os.path.dirname(checkpoint_id), self.dir)
+            self.assertRegex(os.path.basename(checkpoint_id), rf"^step_{step:08d}\.tmp-[0-9a-f]+$")
+            _dcp_save({"x": torch.full((3,), float(value))}, checkpoint_id)
+        return os.path.join(self.dir, f"step_{step:08d}")
+
+    def load(self, path):
+        x = {"x": torch.zeros(3)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(x, checkpoint_id=path)
+        return x["x"][0].item()
+
+    def test_commit_and_latest(self):
+        self.assertIsNone(latest_checkpoint(self.dir))  # a first run: no directory yet
+        self.save(3, 3.0)
+        path6 = self.save(6, 6.0)
+        self.assertEqual(sorted(os.listdir(self.dir)), ["step_00000003", "step_00000006"])
+        self.assertEqual(latest_checkpoint(self.dir), (6, path6))
+        self.assertEqual(self.load(latest_checkpoint(self.dir)[1]), 6.0)
+        # steps past 8 digits sort by value, not by name
+        path_big = self.save(123456789, 9.0)
+        self.assertEqual(latest_checkpoint(self.dir), (123456789, path_big))
+
+    def test_interrupted_save_is_never_loaded(self):
+        self.save(3, 3.0)
+        # the job dies while step 6 is written: DCP finished, the commit did not happen
+        with self.assertRaisesRegex(RuntimeError, "killed"):
+            with atomic_checkpoint(self.dir, 6) as checkpoint_id:
+                _dcp_save({"x": torch.full((3,), 6.0)}, checkpoint_id)
+                raise RuntimeError("killed")
+        staging = os.path.basename(checkpoint_id)
+        self.assertTrue(os.path.isfile(os.path.join(checkpoint_id, ".metadata")))
+        # a committed name without DCP .metadata (its files half written, or not DCP at all)
+        os.makedirs(os.path.join(self.dir, "step_00000009"))
+        with open(os.path.join(self.dir, "step_00000009", "__0_0.distcp"), "wb") as f:
+            f.write(b"partial")
+        with self.assertWarnsRegex(UserWarning, r"step_00000009' holds no DCP \.metadata"):
+            self.assertEqual(latest_checkpoint(self.dir),
+                             (3, os.path.join(self.dir, "step_00000003")))
+        # the next save removes the temporary directory of the interrupted one
+        self.save(4, 4.0)
+        self.assertNotIn(staging, os.listdir(self.dir))
+        with self.assertWarnsRegex(UserWarning, "holds no DCP"):
+            step, path = latest_checkpoint(self.dir)
+        self.assertEqual((step, self.load(path)), (4, 4.0))
+
+    def test_body_writes_nothing(self):
+        with self.assertRaisesRegex(ValueError, r"expected the body to write a DCP checkpoint "
+                                                r"at .*step_00000002\.tmp-[0-9a-f]+', but it holds "
+                                                r"no \.metadata; nothing is committed"):
+            with atomic_checkpoint(self.dir, 2):
+                pass
+        self.assertIsNone(latest_checkpoint(self.dir))
+
+    def test_other_entries_are_ignored(self):
+        os.makedirs(self.dir)
+        open(os.path.join(self.dir, "notes.txt"), "w").close()
+        open(os.path.join(self.dir, "step_00000005.tmp-abc"), "w").close()
+        for name in ("step_abc", "step_5", "step_000000005"):
+            os.makedirs(os.path.join(self.dir, name))
+            open(os.path.join(self.dir, name, ".metadata"), "w").close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertIsNone(latest_checkpoint(self.dir))
+        self.assertEqual(sorted(str(w.message).split("'")[1].rsplit("/", 1)[1] for w in caught),
+                         ["step_000000005", "step_5", "step_abc"])
+        self.assertTrue(all("is not named step_<step, 8 digits>: ignored" in str(w.message)
+                            for w in caught))
+        self.save(5, 5.0)  # the stale temporary file is removed
+        self.assertNotIn("step_00000005.tmp-abc", os.listdir(self.dir))
+
+    def test_bad_input(self):
+        self.save(3, 3.0)
+        with self.assertRaisesRegex(ValueError, r"expected no checkpoint of step 3 in .*, but "
+                                                r".*step_00000003' exists"):
+            self.save(3, 3.0)
+        for step in (-1, True, 2.0, "3", None):
+            with self.assertRaisesRegex(ValueError, "atomic_checkpoint: expected step to be a "
+                                                    f"non-negative int, but got {step!r}"):
+                with atomic_checkpoint(self.dir, step):
+                    pass
+        a_file = os.path.join(self._tmp.name, "file")
+        open(a_file, "w").close()
+        for fn, call in (("latest_checkpoint", lambda d: latest_checkpoint(d)),
+                         ("atomic_checkpoint", lambda d: atomic_checkpoint(d, 1).__enter__())):
+            for bad in (3, "", b"dir", None):
+                with self.assertRaisesRegex(ValueError, f"{fn}: expected checkpoint_dir to be a "
+                                                        "non-empty path"):
+                    call(bad)
+            with self.assertRaisesRegex(ValueError, f"{fn}: expected checkpoint_dir to be a "
+                                                    r"directory, but .*file' is not one"):
+                call(a_file)
+
+
+class TestExtraState(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self._tmp.cleanup)
+        self.path = os.path.join(self._tmp.name, "ep")
+        torch.manual_seed(0)
+        self.net = nn.ModuleDict({"router": nn.Linear(D, E, bias=False)})
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=0.1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 0.5 ** s)
+        for _ in range(3):
+            self.net.router.weight.grad = torch.randn_like(self.net.router.weight)
+            self.opt.step()
+            self.sched.step()
+        ctx = warnings.catch_warnings()
+        ctx.__enter__()
+        self.addCleanup(ctx.__exit__, None, None, None)
+        warnings.simplefilter("ignore")
+
+    def extra(self, step, rng):
+        return {"train": {"step": step, "losses": [1.5, 0.25] if step else []},
+                "scheduler": self.sched.state_dict(), "rng": rng}
+
+    def test_round_trip(self):
+        rng = torch.get_rng_state()
+        save_expert_parallel_checkpoint(self.net, self.opt, checkpoint_id=self.path,
+                                        extra_state=self.extra(3, rng))
+        torch.manual_seed(1)
+        net = nn.ModuleDict({"router": nn.Linear(D, E, bias=False)})
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        state = {"train": {"step": 0, "losses": []}, "scheduler": sched.state_dict(),
+                 "rng": torch.zeros_like(torch.get_rng_state())}
+        load_expert_parallel_checkpoint(net, opt, checkpoint_id=self.path, extra_state=state)
+        self.assertEqual(state["train"], {"step": 3, "losses": [1.5, 0.25]})
+        self.assertEqual(state["scheduler"], self.sched.state_dict())
+        self.assertTrue(torch.equal(state["rng"], rng))
+        sched.load_state_dict(state["scheduler"])
+        self.assertEqual(sched.last_epoch, 3)
+        self.assertEqual(opt.param_groups[0]["lr"], self.opt.param_groups[0]["lr"])
+        self.assertTrue(torch.equal(net.router.weight, self.net.router.weight))
+        self.assertTrue(torch.equal(opt.state[net.router.weight]["step"],
+                                    self.opt.state[self.net.router.weight]["step"]))
+
+    def test_bad_extra_state(self):
+        for fn, call in (("save", save_expert_parallel_checkpoint),
+                         ("load", load_expert_parallel_checkpoint)):
+            with self.assertRaisesRegex(ValueError, f"{fn}_expert_parallel_checkpoint: expected "
+                                                    "extra_state to be a dict, but got list"):
+                call(self.net, self.opt, checkpoint_id=self.path, extra_state=[1])
+            with self.assertRaisesRegex(ValueError, "expected the keys of extra_state to be "
+                                                    r"strings other than 'model' and 'optim' "
+                                                    r"\(the model and optimizer state\), but got "
+                                                    r"\['optim', 3\]"):
+                call(self.net, self.opt, checkpoint_id=self.path,
+                     extra_state={"optim": 1, 3: 2, "ok": 4})
+        save_expert_parallel_checkpoint(self.net, self.opt, checkpoint_id=self.path,
+                                        extra_state=self.extra(3, torch.zeros(5)))
+        with self.assertRaisesRegex(ValueError, r"expected 'rng' in the checkpoint to have the "
+                                                r"model's shape \(6,\), but got \(5,\)"):
+            load_expert_parallel_checkpoint(self.net, self.opt, checkpoint_id=self.path,
+                                            extra_state=self.extra(0, torch.zeros(6)))
+        with self.assertRaisesRegex(ValueError, r"expected the checkpoint to hold 'placement."
+                                                r"phys_to_logical', a tensor of shape \(4,\), but "
+                                                r"it has no such entry"):
+            load_expert_parallel_checkpoint(
+                self.net, self.opt, checkpoint_id=self.path,
+                extra_state={"placement": {"phys_to_logical": torch.zeros(4)}})
+
+
+class TestAtomicCheckpointThreaded(MultiThreadedTestCase):
+    """The collective protocol on two threaded ranks sharing a directory: rank 0's decisions
+    reach every rank, and a body that fails on one rank commits nothing and fails every rank.
+    The bodies write the ``.metadata`` by hand (the commit looks for nothing else); DCP itself
+    goes through it in ``test_restart_torchrun.py``."""
+
+    @property
+    def world_size(self):
+        return 2
+
+    @property
+    def dir(self):
+        # each rank's thread runs its own instance of the test: the path is derived, not stored
+        return os.path.join(tempfile.gettempdir(),
+                            f"torch_moe_atomic_{os.getpid()}_{self._testMethodName}")
+
+    def setUp(self):
+        super().setUp()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self._spawn_threads()
+
+    def _write(self, checkpoint_id):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.makedirs(checkpoint_id)
+            open(os.path.join(checkpoint_id, ".metadata"), "w").close()
+        dist.barrier()
+
+    def test_ranks_agree(self):
+        self.assertIsNone(latest_checkpoint(self.dir))
+        with atomic_checkpoint(self.dir, 4) as checkpoint_id:
+            ids = [None] * 2
+            dist.all_gather_object(ids, checkpoint_id)
+            self.assertEqual(ids[0], ids[1])  # rank 0 drew the suffix
+            self._write(checkpoint_id)
+        self.assertEqual(latest_checkpoint(self.dir), (4, os.path.join(self.dir, "step_00000004")))
+
+    def test_body_fails_on_one_rank(self):
+        if dist.get_rank() == 1:
+            with self.assertRaisesRegex(RuntimeError, "rank 1 fails"):
+                with atomic_checkpoint(self.dir, 4) as checkpoint_id:
+                    self._write(checkpoint_id)
+                    raise RuntimeError("rank 1 fails")
+        else:
+            with self.assertRaisesRegex(RuntimeError, "the checkpoint of step 4 was not "
+                                                      "committed: the body raised on another "
+                                                      "rank"):
+                with atomic_checkpoint(self.dir, 4) as checkpoint_id:
+                    self._write(checkpoint_id)
+        self.assertIsNone(latest_checkpoint(self.dir))
+
+    def test_errors_found_by_rank0_raise_everywhere(self):
+        with self.assertRaisesRegex(ValueError, "holds no .metadata; nothing is committed"):
+            with atomic_checkpoint(self.dir, 4):
+                pass
+        with atomic_checkpoint(self.dir, 5) as checkpoint_id:
+            self._write(checkpoint_id)
+        with self.assertRaisesRegex(ValueError, "expected no checkpoint of step 5"):
+            with atomic_checkpoint(self.dir, 5):
+                pass
 
 
 instantiate_parametrized_tests(TestExpertRuns)

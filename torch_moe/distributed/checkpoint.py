@@ -53,10 +53,33 @@ tensor, and a placement loads from a plain or a DTensor ``Shard(0)`` checkpoint 
 keys.
 Every read fully overwrites what it targets, so loading is bit-exact; tensors are read in the
 checkpoint's dtype, which must equal the local one.
+
+**Restarts: atomic commit and the latest complete checkpoint.** A job that restarts after a
+failure (``torchrun --max-restarts``) resumes from the newest checkpoint that was written in
+full, and must never read one whose writing was interrupted. :func:`atomic_checkpoint` gives
+the checkpoint of step ``n`` the id ``D/step_<n, 8 digits>.tmp-<suffix>`` while it is written
+and renames it to ``D/step_<n>`` once the body (e.g. :func:`save_expert_parallel_checkpoint`)
+has returned on every rank and its ``.metadata`` is on disk; :func:`latest_checkpoint` considers
+only committed names holding a ``.metadata``. ``os.rename`` of a directory is atomic on one
+filesystem, so a reader sees either no ``step_<n>`` or a complete one; temporary directories
+of an interrupted save are removed by the next save. DCP alone does not give this: a reader
+cannot tell a directory being written from a finished one, and rewriting an existing
+checkpoint id leaves old and new files mixed until its ``.metadata`` is replaced. Rank 0 of
+the group makes every filesystem decision (scan, clean-up, rename) and broadcasts it, so the
+ranks agree on the checkpoint to load even where their views of a shared filesystem differ,
+and a failure raises the same error on every rank instead of leaving the others in a
+collective. The protocol knows nothing of MoE (its upstream home would be
+``torch.distributed.checkpoint``); it sits here because the expert-parallel checkpoints above
+are what a restarted MoE job loads, with any extra state (data position, RNG, scheduler,
+placement tables) passed as ``extra_state`` next to the model and optimizer.
 """
 
+import contextlib
 import os
-from collections.abc import Callable, Collection
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -86,6 +109,8 @@ __all__ = [
     "expert_runs",
     "save_expert_parallel_checkpoint",
     "load_expert_parallel_checkpoint",
+    "atomic_checkpoint",
+    "latest_checkpoint",
 ]
 
 ExpertKeys = Union[Collection[str], Callable[[str], bool]]
@@ -446,8 +471,22 @@ def _model_and_optim_state(model, optimizers) -> dict:
     return {"model": get_model_state_dict(model)}
 
 
+def _check_extra_state(fn: str, extra_state) -> dict:
+    if extra_state is None:
+        return {}
+    if not isinstance(extra_state, dict):
+        raise ValueError(f"{fn}: expected extra_state to be a dict, but got "
+                         f"{type(extra_state).__name__}")
+    bad = [k for k in extra_state if not isinstance(k, str) or k in ("model", "optim")]
+    if bad:
+        raise ValueError(f"{fn}: expected the keys of extra_state to be strings other than "
+                         f"'model' and 'optim' (the model and optimizer state), but got {bad}")
+    return extra_state
+
+
 def save_expert_parallel_checkpoint(model: nn.Module, optimizers=None, *,
                                     checkpoint_id: CheckpointId,
+                                    extra_state: Optional[dict] = None,
                                     process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Saves a model whose expert weights are DTensors (``Shard(0)`` over the expert-parallel
     mesh, ``w1 [E, D, F]`` globally) or plain tensors, and the state of its optimizers.
@@ -456,15 +495,25 @@ def save_expert_parallel_checkpoint(model: nn.Module, optimizers=None, *,
     saved as ``{"model": ..., "optim": ...}`` from
     :func:`~torch.distributed.checkpoint.state_dict.get_state_dict`, so DCP stores every DTensor
     (weights and Adam moments alike) by its global shape and can reshard it on load.
+
+    Args:
+        extra_state: more entries saved next to ``"model"`` and ``"optim"``, under their own
+            keys: anything DCP saves (tensors and DTensors, nested dicts, picklable values such
+            as an LR scheduler's ``state_dict()``). A plain tensor or value under one key is
+            taken as the same on every rank and stored once; per-rank state goes into a
+            DTensor (e.g. ``Shard(0)`` of a ``[R, ...]`` stack) or under per-rank keys.
     """
     fn = "save_expert_parallel_checkpoint"
     _check_model(fn, model)
+    extra_state = _check_extra_state(fn, extra_state)
     state = _model_and_optim_state(model, _optimizers(fn, optimizers))
+    state.update(extra_state)
     dcp.save(state, checkpoint_id=checkpoint_id, process_group=process_group)
 
 
 def load_expert_parallel_checkpoint(model: nn.Module, optimizers=None, *,
                                     checkpoint_id: CheckpointId,
+                                    extra_state: Optional[dict] = None,
                                     process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Loads a checkpoint of :func:`save_expert_parallel_checkpoint` into ``model`` and
     ``optimizers``, resharding to their current layout (any number of ranks, DTensor
@@ -473,19 +522,264 @@ def load_expert_parallel_checkpoint(model: nn.Module, optimizers=None, *,
     A fresh optimizer has its state created first (by ``get_state_dict``) so that the moments
     can be read in place.
 
+    Args:
+        extra_state: the extra entries to read, as saved: tensors (and DTensors) of the saved
+            global shapes are read in place, other values are replaced in the dict.
+
     Raises:
-        ValueError: when an entry of the model or optimizer state has a different global shape
-            in the checkpoint (e.g. another number of experts), naming the entry.
+        ValueError: when an entry of the model, optimizer or extra state has a different global
+            shape in the checkpoint (e.g. another number of experts) or is missing, naming the
+            entry.
     """
     fn = "load_expert_parallel_checkpoint"
     _check_model(fn, model)
     optimizers = _optimizers(fn, optimizers)
+    extra_state = _check_extra_state(fn, extra_state)
     metadata = _read_metadata(fn, checkpoint_id, None)
     state = _model_and_optim_state(model, optimizers)
+    state.update(extra_state)
     _check_entries(fn, _plain_entries(state), metadata)
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
+    for k in extra_state:
+        extra_state[k] = state[k]
     if optimizers:
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Restarts: atomic commit and the latest complete checkpoint
+# ---------------------------------------------------------------------------------------------
+
+_STEP_DIGITS = 8
+_STEP_PREFIX = "step_"
+_COMMITTED = re.compile(r"step_(\d+)")
+_STAGING = re.compile(r"step_\d+\.tmp-[0-9a-f]+")
+_METADATA = ".metadata"  # DCP's FileSystemWriter writes it after every rank's files
+
+# what rank 0 found, broadcast to the other ranks as (code, value)
+_OK, _NOT_A_DIR, _OS_ERROR, _EXISTS, _NOT_WRITTEN = range(5)
+
+
+def _step_name(step: int) -> str:
+    return f"{_STEP_PREFIX}{step:0{_STEP_DIGITS}d}"
+
+
+def _check_dir(fn: str, checkpoint_dir) -> str:
+    path = os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{fn}: expected checkpoint_dir to be a non-empty path (str or "
+                         f"os.PathLike of str), but got {checkpoint_dir!r}")
+    return path
+
+
+def _check_step(fn: str, step) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{fn}: expected step to be a non-negative int, but got {step!r}")
+    return step
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _int_tensor(values: list, process_group) -> Tensor:
+    # a collective's tensor must be on the backend's device: CUDA for NCCL, CPU otherwise
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _rank0_decides(process_group, decide: Callable[[], tuple]) -> tuple:
+    """Runs ``decide() -> (code, value, error)`` on rank 0 of ``process_group`` only and returns
+    rank 0's ``(code, value)`` on every rank, with rank 0's ``error`` (an ``OSError`` it caught,
+    to chain) on rank 0 and ``None`` elsewhere. Local without a process group."""
+    if not _distributed():
+        return decide()
+    error = None
+    result = _int_tensor([0, 0], process_group)
+    if dist.get_rank(process_group) == 0:
+        code, value, error = decide()
+        result.copy_(_int_tensor([code, value], process_group))
+    dist.broadcast(result, group=process_group, group_src=0)
+    code, value = result.tolist()
+    return code, value, error
+
+
+def _all_ranks_ok(process_group, ok: bool) -> bool:
+    if not _distributed():
+        return ok
+    flag = _int_tensor([int(ok)], process_group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
+    return bool(flag.item())
+
+
+def _fsync_dir(path: str) -> None:
+    # makes the rename itself durable, not only the files it names
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(fn: str, what: str) -> str:
+    # the same message on every rank; rank 0 chains the OSError it caught
+    return f"{fn}: rank 0 could not {what} (rank 0 chains the OSError to its error)"
+
+
+def latest_checkpoint(checkpoint_dir: CheckpointId, *,
+                      process_group: Optional[dist.ProcessGroup] = None
+                      ) -> Optional[tuple[int, str]]:
+    """The newest complete checkpoint that :func:`atomic_checkpoint` committed in
+    ``checkpoint_dir``.
+
+    Collective when ``torch.distributed`` is initialized (every rank of ``process_group``,
+    default the world, calls it): rank 0 scans the directory and broadcasts the step it picked,
+    so that every rank loads the same checkpoint. A local scan otherwise.
+
+    Only committed names ``step_<step, 8 digits>`` holding a DCP ``.metadata`` count. Temporary
+    directories of a save that was interrupted (``step_<step>.tmp-<suffix>``) and entries not
+    named ``step_...`` are ignored; other ``step_...`` entries (a committed name without
+    ``.metadata``, a name renamed by hand) are skipped with a warning.
+
+    Returns:
+        ``(step, path)`` of the checkpoint with the highest step, or ``None`` when there is
+        none, also when ``checkpoint_dir`` does not exist (a first run).
+
+    Raises:
+        ValueError: ``checkpoint_dir`` is not a path, or exists and is not a directory.
+        RuntimeError: rank 0 could not list the directory.
+    """
+    fn = "latest_checkpoint"
+    path = _check_dir(fn, checkpoint_dir)
+
+    def scan() -> tuple:
+        try:
+            if not os.path.lexists(path):
+                return _OK, -1, None
+            if not os.path.isdir(path):
+                return _NOT_A_DIR, 0, None
+            names = sorted(os.listdir(path))
+        except OSError as error:
+            return _OS_ERROR, 0, error
+        latest = -1
+        for name in names:
+            if not name.startswith(_STEP_PREFIX) or _STAGING.fullmatch(name):
+                continue
+            m = _COMMITTED.fullmatch(name)
+            if m is None or name != _step_name(int(m.group(1))):
+                warnings.warn(f"{fn}: {os.path.join(path, name)!r} is not named "
+                              f"step_<step, {_STEP_DIGITS} digits>: ignored", stacklevel=4)
+            elif not os.path.isfile(os.path.join(path, name, _METADATA)):
+                warnings.warn(f"{fn}: {os.path.join(path, name)!r} holds no DCP {_METADATA}: "
+                              f"not a complete checkpoint, ignored", stacklevel=4)
+            else:
+                latest = max(latest, int(m.group(1)))
+        return _OK, latest, None
+
+    code, step, error = _rank0_decides(process_group, scan)
+    if code == _NOT_A_DIR:
+        raise ValueError(f"{fn}: expected checkpoint_dir to be a directory, but {path!r} is "
+                         f"not one")
+    if code == _OS_ERROR:
+        raise RuntimeError(_os_error(fn, f"list {path!r}")) from error
+    return None if step < 0 else (step, os.path.join(path, _step_name(step)))
+
+
+@contextlib.contextmanager
+def atomic_checkpoint(checkpoint_dir: CheckpointId, step: int, *,
+                      process_group: Optional[dist.ProcessGroup] = None) -> Iterator[str]:
+    """Gives the checkpoint of ``step`` a temporary id and commits it as
+    ``checkpoint_dir/step_<step, 8 digits>`` once the body has written it on every rank::
+
+        with atomic_checkpoint(checkpoint_dir, step) as checkpoint_id:
+            save_expert_parallel_checkpoint(model, optimizer, checkpoint_id=checkpoint_id)
+
+    Collective when ``torch.distributed`` is initialized: every rank of ``process_group``
+    (default the world) enters it, and the body writes one DCP checkpoint at ``checkpoint_id``
+    with the same group.
+
+    On entry, rank 0 creates ``checkpoint_dir`` if needed, removes the temporary directories of
+    interrupted saves (the directory belongs to one job at a time) and draws the suffix of the
+    temporary name, which it broadcasts. On exit, the ranks first agree on whether the body
+    returned on all of them. Then rank 0 checks that the DCP ``.metadata`` is there, which DCP
+    writes after the files of every rank, renames the temporary directory to its committed name
+    (atomic on one filesystem), syncs the directory, and broadcasts the outcome: every rank
+    leaves once the checkpoint is committed. A rank that dies after the rename leaves a
+    complete checkpoint, which :func:`latest_checkpoint` then finds; a rank that dies before
+    it leaves a temporary directory, which is never loaded.
+
+    Raises:
+        ValueError: ``checkpoint_dir`` is not a path or exists and is not a directory, ``step``
+            is not a non-negative int, ``checkpoint_dir`` already holds an entry for ``step``,
+            or the body wrote no DCP checkpoint at ``checkpoint_id``; nothing is committed.
+        RuntimeError: the body raised on another rank (this rank's body returned), or a
+            filesystem operation of rank 0 failed; nothing is committed unless the sync of the
+            directory after the rename failed.
+    """
+    fn = "atomic_checkpoint"
+    path = _check_dir(fn, checkpoint_dir)
+    step = _check_step(fn, step)
+    final = os.path.join(path, _step_name(step))
+
+    def prepare() -> tuple:
+        try:
+            if os.path.lexists(path) and not os.path.isdir(path):
+                return _NOT_A_DIR, 0, None
+            os.makedirs(path, exist_ok=True)
+            if os.path.lexists(final):
+                return _EXISTS, 0, None
+            for name in os.listdir(path):
+                if _STAGING.fullmatch(name):
+                    stale = os.path.join(path, name)
+                    shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
+        except OSError as error:
+            return _OS_ERROR, 0, error
+        # the suffix keeps this attempt's files apart from those of an earlier one; drawn from
+        # os.urandom, not from torch's generators, whose state the training loop checkpoints
+        return _OK, int.from_bytes(os.urandom(6), "little"), None
+
+    code, suffix, error = _rank0_decides(process_group, prepare)
+    if code == _NOT_A_DIR:
+        raise ValueError(f"{fn}: expected checkpoint_dir to be a directory, but {path!r} is "
+                         f"not one")
+    if code == _EXISTS:
+        raise ValueError(f"{fn}: expected no checkpoint of step {step} in {path!r}, but "
+                         f"{final!r} exists")
+    if code == _OS_ERROR:
+        raise RuntimeError(_os_error(fn, f"prepare {path!r} for step {step}")) from error
+    staging = f"{final}.tmp-{suffix:012x}"
+
+    try:
+        yield staging
+    except BaseException:
+        _all_ranks_ok(process_group, False)  # the other ranks must not commit, nor wait
+        raise
+    if not _all_ranks_ok(process_group, True):
+        raise RuntimeError(f"{fn}: the checkpoint of step {step} was not committed: the body "
+                           f"raised on another rank")
+
+    def commit() -> tuple:
+        if not os.path.isfile(os.path.join(staging, _METADATA)):
+            return _NOT_WRITTEN, 0, None
+        try:
+            if os.path.lexists(final):
+                return _EXISTS, 0, None
+            os.rename(staging, final)
+            _fsync_dir(path)
+        except OSError as error:
+            return _OS_ERROR, 0, error
+        return _OK, 0, None
+
+    code, _, error = _rank0_decides(process_group, commit)
+    if code == _NOT_WRITTEN:
+        raise ValueError(f"{fn}: expected the body to write a DCP checkpoint at {staging!r}, "
+                         f"but it holds no {_METADATA}; nothing is committed")
+    if code == _EXISTS:
+        raise ValueError(f"{fn}: expected no checkpoint of step {step} in {path!r}, but "
+                         f"{final!r} appeared while it was written; nothing is committed")
+    if code == _OS_ERROR:
+        raise RuntimeError(_os_error(fn, f"commit {staging!r} as {final!r}")) from error
