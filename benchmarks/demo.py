@@ -272,7 +272,8 @@ def _restart_state(args, step: int, history: dict, schedule, ep_mesh) -> dict:
 
     return {
         # the same on every rank: saved once
-        "train": {"step": step, "settings": {k: getattr(args, k) for k in RESUME_SETTINGS},
+        "train": {"step": step, "world_size": ep_mesh.size(),
+                  "settings": {k: getattr(args, k) for k in RESUME_SETTINGS},
                   "history": history},
         "scheduler": schedule.state_dict(),
         # one per rank
@@ -291,20 +292,22 @@ def _resume(args, path: str, model, optimizer, schedule, ep_mesh,
 
     from torch_moe.distributed.checkpoint import load_expert_parallel_checkpoint
 
-    world_size = dist.get_world_size()
-    saved_ranks = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["rng.cpu"].size[0]
+    state = _restart_state(args, 0, history, schedule, ep_mesh)
+    # the settings first: a checkpoint of another model would fail on its shapes instead
+    train = {"train": state["train"]}
+    dcp.load(train, checkpoint_id=path)
+    saved_ranks, world_size = train["train"]["world_size"], dist.get_world_size()
     if saved_ranks != world_size:
         raise SystemExit(f"demo.py: {path} was written by {saved_ranks} ranks, this run has "
                          f"{world_size}: resuming needs the same number of ranks (each rank has "
                          f"its own data and generator)")
-    state = _restart_state(args, 0, history, schedule, ep_mesh)
-    load_expert_parallel_checkpoint(model, optimizer, checkpoint_id=path, extra_state=state)
     settings = {k: getattr(args, k) for k in RESUME_SETTINGS}
-    changed = {k: (v, settings[k]) for k, v in state["train"]["settings"].items()
+    changed = {k: (v, settings.get(k)) for k, v in train["train"]["settings"].items()
                if settings.get(k) != v}
     if changed:
         raise SystemExit(f"demo.py: {path} was written with other settings, (saved, now): "
                          f"{changed}; resume with the same settings or another --checkpoint-dir")
+    load_expert_parallel_checkpoint(model, optimizer, checkpoint_id=path, extra_state=state)
     schedule.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["cpu"].to_local()[0])
     return state["train"]["step"], state["train"]["history"]
