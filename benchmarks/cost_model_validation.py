@@ -9,7 +9,14 @@ its shapes are disjoint from theirs (``calibrate.check_disjoint``, asserted belo
 no calibrated GEMM shares a ``(K, N)`` with a held-out layer's GEMMs, and no width of a
 calibration benchmark is a held-out ``D`` or ``F``. Nothing is fitted to these measurements.
 
-Part 1, the layer: :class:`torch_moe.nn.MoE` forward + backward (SwiGLU), router skew from the
+Part 1, the layer: :class:`torch_moe.nn.MoE` forward + backward (SwiGLU), on one compute
+thread by default (``--threads``: on a shared machine, a multi-threaded GEMM waits at every
+call for a thread another process holds, which turns small GEMMs erratic) and timed in that
+thread's CPU time (``--clock thread``, the default; ``--clock wall`` for wall time), the
+layers and their calibrations alike, each summarised by its minimum over repetitions
+(``--statistic``; the calibrations' too): on a shared machine CPU time leaves out the time
+other processes hold the core and the minimum the repetitions their cache and memory traffic
+slowed; on an idle one they are the wall time and the median. Router skew comes from the
 router's bias, ``-s * log(1 + rank)`` of a random expert order, plus logits of standard
 deviation ~1.28 from its weights (close to Gumbel noise, for which top-1 picks expert ``e``
 with probability ``~ rank^-s``). Timed in interleaved rounds between two calibrations that are
@@ -159,12 +166,12 @@ class _LayerRun:
         self.layer, self.x = _skewed_layer(c)
         self.times: list[float] = []
 
-    def step(self) -> float:
+    def step(self, clock=time.perf_counter) -> float:
         self.layer.zero_grad(set_to_none=True)
         self.x.grad = None
-        t0 = time.perf_counter()
+        t0 = clock()
         self.layer(self.x).sum().backward()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         self.layer.zero_grad(set_to_none=True)  # the other layers' rounds need the memory
         return elapsed
 
@@ -182,14 +189,14 @@ class _LayerRun:
         del self.layer, self.x
 
 
-def measure_layers(configs, rounds: int) -> list[_LayerRun]:
+def measure_layers(configs, rounds: int, clock=time.perf_counter) -> list[_LayerRun]:
     """Forward + backward of every configuration in ``rounds`` rounds after a warm-up round,
     each round timing every configuration once: a slow phase of the machine then lands on all
     configurations alike."""
     runs = [_LayerRun(c) for c in configs]
     for r in range(rounds + 1):
         for run in runs:
-            t = run.step()
+            t = run.step(clock)
             if r:
                 run.times.append(t)
         print(f"  round {r}/{rounds} done", flush=True)
@@ -204,9 +211,9 @@ def _breakdown(pred) -> dict:
                 a2a_ms=pred.a2a_s * 1e3)
 
 
-def predict_layer(run: _LayerRun, profile) -> dict:
+def predict_layer(run: _LayerRun, profile, statistic=statistics.median) -> dict:
     c = run.config
-    measured_s = statistics.median(run.times)
+    measured_s = statistic(run.times)
     pred = moe_layer_cost(MoELayerSpec(c.D, c.F, c.E, c.k),
                           MoEStrategy(ep=1, dispatch="plain", precision=c.dtype), profile,
                           tokens_per_rank=c.T, load=run.counts)
@@ -424,8 +431,21 @@ def main() -> None:
     parser.add_argument("--no-dispatch", action="store_true", help="skip the gloo part")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per configuration (default 7, quick 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compute threads of the layer part (calibration and layers)")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                        help="what the layer part and its calibrations time: the thread's CPU "
+                             "time (needs --threads 1) or wall time")
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="how the layer part and its calibrations summarise repetitions")
     parser.add_argument("--out", default=str(RESULTS), help="directory for the CSV and JSON")
     args = parser.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        parser.error(f"--clock thread times one thread: expected --threads 1, but got "
+                     f"--threads {args.threads}")
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    statistic = min if args.statistic == "min" else statistics.median
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (2 if args.quick else 7)
@@ -437,7 +457,8 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def calibrated(when):
-        p = calibrate.calibrate_local(quick=args.quick)
+        with calibrate.timing(clock, statistic):
+            p = calibrate.calibrate_local(quick=args.quick)
         print(f"calibration {when}: GEMM peak fp32 {p.peak_flops['fp32'] / 1e9:.0f}, bf16 "
               f"{p.peak_flops['bf16'] / 1e9:.0f} GFLOP/s, copy "
               f"{p.memory_bandwidth_Bps / 1e9:.1f} GB/s, elementwise "
@@ -447,10 +468,10 @@ def main() -> None:
         return p
 
     before = calibrated("before")
-    runs = measure_layers(layer_configs, rounds)
+    runs = measure_layers(layer_configs, rounds, clock)
     profile = calibrate.average_profiles([before, calibrated("after")], "local-cpu")
     calibrate.save_profile(profile, out_dir / "cost_model_profile.json")
-    rows = [predict_layer(run, profile) for run in runs]
+    rows = [predict_layer(run, profile, statistic) for run in runs]
     if dispatch_configs:
         rows += run_dispatch(dispatch_configs, args.quick, rounds)
 

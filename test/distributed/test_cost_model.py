@@ -206,9 +206,13 @@ class TestFormulas(TestCase):
     def test_ffn_elementwise_bytes(self):
         # 10 rows from 4 tokens, D=8, F=2 gated (H=4), fp32:
         # forward per row 2*8 + 4 + 2 + 2*8 + 8 = 46 elements, backward
-        # 2*8 + 4 + 2 + 2*2 + 4*2 + 2 + 2*4 + 2*8 + 8 = 68; plus 2 passes over the fp32 [4, 8]
+        # 2*8 + 4 + 2 + 2*2 + 4*2 + 2 + 2*4 + 2*8 + 8 = 68; plus the fp32 [4, 8] accumulator
+        # zero-filled and summed into, 3 passes of 128 B
         fwd, bwd = gemm_cost.ffn_elementwise_bytes(10, 4, 8, 2, True, 4)
-        self.assertEqual((fwd, bwd), (10 * 4 * 46 + 256, 10 * 4 * 68 + 256))
+        self.assertEqual((fwd, bwd), (10 * 4 * 46 + 384, 10 * 4 * 68 + 384))
+        # bf16: 2 B elements, and the accumulator converted to bf16 (read 4, write 2 B)
+        fwd, bwd = gemm_cost.ffn_elementwise_bytes(10, 4, 8, 2, True, 2)
+        self.assertEqual((fwd, bwd), (10 * 2 * 46 + 384 + 32 * 6, 10 * 2 * 68 + 384 + 32 * 6))
         # the layer charges them at the profile's elementwise rate
         prof = _toy_profile(elementwise_bandwidth_Bps=1e9, layer_overhead_s=3e-3)
         layer = MoELayerSpec(dim=8, hidden_dim=2, num_experts=2, top_k=1)

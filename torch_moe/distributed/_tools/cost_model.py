@@ -379,6 +379,11 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
         ffn_f, ffn_b = gemm_cost.ffn_elementwise_bytes(rows_c, Tc, D, f_local, layer.gated,
                                                        act_b)
         router_bytes = Tc * E * 8 / profile.memory_bandwidth_Bps
+        if act_b != 4:
+            # the fp32 router converts its input (read act_b, write 4 B per element) and
+            # backward the input's gradient back (read 4 B, write act_b)
+            ffn_f += Tc * D * (act_b + 4)
+            ffn_b += Tc * D * (act_b + 4)
         if group > 1:
             # the sender gathers its rows into the send buffer (read + write), then reads the
             # returned rows into an fp32 [T, D] sum; backward gathers the output gradient for

@@ -182,20 +182,23 @@ def ffn_elementwise_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
 
     Forward: gather the rows' inputs (read + write ``D``), read ``H`` and write ``F`` for the
     activation, scale the ``D`` outputs by the routing weight (read + write) and scatter-add
-    them (read ``D``) into the fp32 ``[T, D]`` accumulator (read + write). Backward: gather
+    them (read ``D``) into the fp32 ``[T, D]`` accumulator (zero-filled, then read + write;
+    converted to the activations' dtype at the end when that is not fp32). Backward: gather
     the output gradient (``2D``), recompute the activation (``H + F``), the routing-weight
     gradient (read ``2F``), two weight scalings (``2F`` each), the activation's backward (read
     ``F + H``, write ``H``), gather the inputs again (``2D``) and scatter-add the input
-    gradient (``D`` plus the ``[T, D]`` fp32 accumulator)."""
+    gradient (``D`` plus the ``[T, D]`` fp32 accumulator, as in forward)."""
     if not (rows >= 0 and tokens >= 0):
         raise ValueError(f"expected rows and tokens >= 0, but got {rows}, {tokens}")
     _positive("dim", dim)
     _positive("hidden_dim", hidden_dim)
     h = 2 * hidden_dim if gated else hidden_dim
     f = hidden_dim
-    fwd = rows * act_bytes * (2 * dim + h + f + 2 * dim + dim) + tokens * dim * 4 * 2
-    bwd = rows * act_bytes * (2 * dim + h + f + 2 * f + 4 * f + f + 2 * h + 2 * dim + dim) \
-        + tokens * dim * 4 * 2
+    # the fp32 [T, D] accumulator: zero-filled (write), summed into (read + write) and, in a
+    # layer of another dtype, converted to it (read 4 B, write act_bytes)
+    acc = tokens * dim * (4 * 3 + ((4 + act_bytes) if act_bytes != 4 else 0))
+    fwd = rows * act_bytes * (2 * dim + h + f + 2 * dim + dim) + acc
+    bwd = rows * act_bytes * (2 * dim + h + f + 2 * f + 4 * f + f + 2 * h + 2 * dim + dim) + acc
     return fwd, bwd
 
 
