@@ -38,6 +38,23 @@ parameters equal those of an uninterrupted run. ``--save-final PATH`` writes the
 model and optimizer state from rank 0 with ``torch.save``. For tests of the restart path,
 ``--fail-at-step N --fail-rank R`` makes rank R exit with status 1 after step N (after its
 checkpoint, if any), once: a marker file in D keeps the restarted run from failing again.
+Replicas: ``--replicas N`` gives every rank ``N`` physical expert slots beyond ``ceil(E / R)``
+(:class:`~torch_moe.distributed.parallel.ExpertParallel` with ``slots_per_rank``), which the
+placement fills with replicas of the busiest experts; tokens go to the replicas of their
+experts, the replica gradients are summed before every optimizer step
+(:func:`torch_moe.distributed.replicas.reduce_replica_grads_`) and, with
+``--rebalance-every K``, the placement is planned again every K steps from the loads observed
+since the last time, the weights and AdamW's moments moving with it
+(:func:`~torch_moe.distributed.replicas.rebalance_experts_`). The model is the same function of
+its logical experts, so the losses are those of the run without replicas up to fp32 rounding:
+the demo trains that run too, from the same initialisation on the same batches, and compares
+the losses step by step. Rank 0 logs, at every rebalance, the max / mean rank load of each MoE
+layer over the last K steps as measured under the placement in use, that of the same loads
+under the new placement, and that of the contiguous layout without replicas.
+``--router-skew s`` starts every router with a bias ``-s * log(1 + rank)`` over a random order
+of the experts (a learned parameter from there on), a Zipf(s)-like preference for a few hot
+experts, which is what replicas are for.
+
 Run restarts with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun's default of one TCPStore
 shared by every restart lets the new gloo group read the addresses of the dead one and fail or
 hang in ``init_process_group`` (pytorch/pytorch#135712), in about half of the restarts here.
@@ -49,6 +66,8 @@ hang in ``init_process_group`` (pytorch/pytorch#135712), in about half of the re
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \
         benchmarks/demo.py --expert-parallel --steps 40 --checkpoint-dir /tmp/moe_ckpt \
         --checkpoint-every 10 --fail-at-step 25
+    torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --steps 40 --replicas 1 \
+        --rebalance-every 10 --router-skew 1.2
 """
 
 from __future__ import annotations
@@ -252,10 +271,12 @@ def train(args, balance: bool, train_NL: Tensor, label: str | None = None) -> di
 # the model and the optimization (--steps too: it sets how many sequences each rank samples)
 RESUME_SETTINGS = ("steps", "batch", "seq_len", "vocab", "successors", "dim", "heads", "layers",
                    "ffn_dim", "experts", "top_k", "lr", "warmup_steps", "bias_update_rate",
-                   "seed", "precision", "dedup", "num_chunks")
+                   "seed", "precision", "dedup", "num_chunks", "replicas", "rebalance_every",
+                   "router_skew")
 
 
-def _restart_state(args, step: int, history: dict, schedule, ep_mesh) -> dict:
+def _restart_state(args, step: int, history: dict, schedule, ep_mesh, model,
+                   rebalance_NE: Tensor) -> dict:
     """What a restart needs besides the model (its parameters and the routers' expert bias, a
     persistent buffer) and the optimizer: the ``extra_state`` of the checkpoint.
 
@@ -264,13 +285,19 @@ def _restart_state(args, step: int, history: dict, schedule, ep_mesh) -> dict:
     (the data are sampled up front, nothing is dropped out); each rank's torch CPU generator is
     saved all the same, as one row of an ``[R, 5056]`` ``Shard(0)`` DTensor, so that adding
     dropout or router noise keeps restarts exact. State added later gets a key of its own here,
-    e.g. ``"placement": {"phys_to_logical": ..., "logical_to_phys": ...}`` (tensors of a fixed
-    shape are read in place; other values, such as tables whose shape changes when the
-    replicas are rebalanced, are saved pickled and replaced on load).
+    e.g. the replicas': the placement tables of every replicated layer (their physical
+    weights are ``Shard(0)`` DTensors laid out by them, saved like any other) and the loads
+    observed since the last rebalance, which decide the next one.
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    from torch_moe.distributed.replicas import placement_state_dict
+
+    replicas = ({"replicas": {"placement": placement_state_dict(model),
+                              "loads_since_rebalance": rebalance_NE}}
+                if args.replicas else {})
     return {
+        **replicas,
         # the same on every rank: saved once
         "train": {"step": step, "world_size": ep_mesh.size(),
                   "settings": {k: getattr(args, k) for k in RESUME_SETTINGS},
@@ -282,17 +309,20 @@ def _restart_state(args, step: int, history: dict, schedule, ep_mesh) -> dict:
     }
 
 
-def _resume(args, path: str, model, optimizer, schedule, ep_mesh,
-            history: dict) -> tuple[int, dict]:
-    """Loads the checkpoint at ``path`` into the model, the optimizer, the scheduler and this
-    rank's generator; returns the step it was written after and the log up to it (``history``,
-    the empty log, gives its keys)."""
+def _resume(args, path: str, model, optimizer, schedule, ep_mesh, history: dict,
+            rebalance_NE: Tensor) -> tuple[int, dict]:
+    """Loads the checkpoint at ``path`` into the model, the optimizer, the scheduler, this
+    rank's generator and, with replicas, the placements and ``rebalance_NE`` (in place);
+    returns the step it was written after and the log up to it (``history``, the empty log,
+    gives its keys)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from torch_moe.distributed.checkpoint import load_expert_parallel_checkpoint
 
-    state = _restart_state(args, 0, history, schedule, ep_mesh)
+    from torch_moe.distributed.replicas import load_placement_state_dict_
+
+    state = _restart_state(args, 0, history, schedule, ep_mesh, model, rebalance_NE)
     # the settings first: a checkpoint of another model would fail on its shapes instead
     train = {"train": state["train"]}
     dcp.load(train, checkpoint_id=path)
@@ -310,6 +340,9 @@ def _resume(args, path: str, model, optimizer, schedule, ep_mesh,
     load_expert_parallel_checkpoint(model, optimizer, checkpoint_id=path, extra_state=state)
     schedule.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["cpu"].to_local()[0])
+    if args.replicas:
+        # the physical weights were read as they were saved, laid out by these placements
+        load_placement_state_dict_(model, state["replicas"]["placement"])
     return state["train"]["step"], state["train"]["history"]
 
 
@@ -329,10 +362,28 @@ def _inject_fault(args, step: int, rank: int) -> None:
     os._exit(1)  # no clean-up, no barrier: what a crashed process looks like to the others
 
 
-def train_expert_parallel(args, P_VV: Tensor) -> dict:
-    """Trains the model (expert-bias update on) with EP = world size; returns rank 0's history
-    (every rank returns the same global losses). With ``--checkpoint-dir`` it resumes from the
-    latest complete checkpoint there and saves one every ``--checkpoint-every`` steps."""
+def _skew_routers(layers: list[MoE], skew: float, seed: int) -> None:
+    """``--router-skew``: router bias ``-skew * log(1 + rank)`` over a random expert order."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for moe in layers:
+            order = torch.randperm(moe.config.num_experts, generator=g).float()
+            moe.router.bias.copy_(-skew * torch.log1p(order))
+
+
+def _contiguous_imbalance(load_E: Tensor, num_ranks: int) -> float:
+    """Max / mean rank load of ``load_E`` with experts in contiguous blocks, no replicas."""
+    per_rank = load_E.double().view(num_ranks, -1).sum(1)
+    return (per_rank.max() / per_rank.mean()).item()
+
+
+def train_expert_parallel(args, P_VV: Tensor, replicas: int) -> dict:
+    """Trains the model (expert-bias update on) with EP = world size, with ``replicas`` extra
+    expert slots per rank; returns rank 0's history (every rank returns the same global
+    losses). The run of ``--replicas`` is the job's: with ``--checkpoint-dir`` it resumes from
+    the latest complete checkpoint there and saves one every ``--checkpoint-every`` steps, and
+    ``--save-final`` and ``--fail-at-step`` apply to it; the run without replicas it is compared
+    with does none of these."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -345,18 +396,25 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
     )
     from torch_moe.distributed.dispatch import read_dispatch_counters, reset_dispatch_counters
     from torch_moe.distributed.parallel import ExpertParallel
+    from torch_moe.distributed.replicas import rebalance_experts_, reduce_replica_grads_
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     lead = rank == 0
     moe_config = MoEConfig(dim=args.dim, hidden_dim=args.ffn_dim, num_experts=args.experts,
                            top_k=args.top_k, activation="swiglu", load_balance_bias=True,
-                           bias_update_rate=args.bias_update_rate, precision=args.precision)
+                           bias_update_rate=args.bias_update_rate, precision=args.precision,
+                           router_bias=args.router_skew > 0)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = MoELanguageModel(args.vocab, args.dim, args.heads, args.layers, args.seq_len,
                              moe_config)
     layers = model.moe_layers()
+    if args.router_skew > 0:
+        _skew_routers(layers, args.router_skew, args.seed)
     ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-    style = ExpertParallel(dispatch_options=dict(dedup=args.dedup, num_chunks=args.num_chunks))
+    # with replicas: every rank ceil(E / R) + replicas physical slots, planned for an even load
+    style = ExpertParallel(
+        dispatch_options=dict(dedup=args.dedup, num_chunks=args.num_chunks),
+        slots_per_rank=-(-args.experts // world_size) + replicas if replicas else None)
     for moe in layers:
         parallelize_module(moe, ep_mesh, style)  # w1/w2/w3 become Shard(0) DTensors
     # everything else (attention, norms, embedding, router) is replicated
@@ -369,19 +427,24 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
     train_NL = sample_sequences(P_VV, args.steps * args.batch, args.seq_len,
                                 args.seed + 1 + 1000 * rank)
     tokens_per_step = world_size * args.batch * (args.seq_len - 1)  # all ranks together
-    history = dict(label=f"EP={world_size}", losses=[], imbalances=[], tokens_per_s=[])
+    the_job = replicas == args.replicas
+    checkpoint_dir = args.checkpoint_dir if the_job else None
+    label = f"EP={world_size}" + (f", {replicas} replica slots per rank" if replicas else "")
+    history = dict(label=label, losses=[], imbalances=[], tokens_per_s=[], rank_loads=[])
+    # the global per-expert loads since the last rebalance, which plan the next one
+    rebalance_NE = torch.zeros(len(layers), args.experts, dtype=torch.float64)
     done = 0  # steps already taken
-    if args.checkpoint_dir is not None:
-        found = latest_checkpoint(args.checkpoint_dir)  # rank 0 picks, every rank loads it
+    if checkpoint_dir is not None:
+        found = latest_checkpoint(checkpoint_dir)  # rank 0 picks, every rank loads it
         if found is not None:
             done, history = _resume(args, found[1], model, optimizer, schedule, ep_mesh,
-                                    history)
+                                    history, rebalance_NE)
             if lead:
                 restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                 print(f"  [EP={world_size}] resuming from {found[1]}: {done} steps done "
                       f"(torchrun restart count {restarts})", flush=True)
         elif lead:
-            print(f"  [EP={world_size}] no checkpoint in {args.checkpoint_dir}: starting at step 1",
+            print(f"  [EP={world_size}] no checkpoint in {checkpoint_dir}: starting at step 1",
                   flush=True)
     window = Window()
     traffic = torch.zeros(3, dtype=torch.float64)  # window sums: bytes sent, received, rows in
@@ -401,6 +464,10 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
         dist.all_reduce(flat)  # sum over the ranks, one collective for all of them
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g) / world_size)
+        if replicas:
+            # each replica has the gradient of its share of the expert's tokens: sum them, so
+            # that every replica takes the logical expert's step
+            reduce_replica_grads_(model)
         # the routers are replicated and so is their bias: update it from the global counts
         load_NE = _collect_load(layers)
         dist.all_reduce(load_NE)
@@ -410,13 +477,28 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
+        rebalance_NE += load_NE
+        if replicas and args.rebalance_every and step % args.rebalance_every == 0:
+            results = rebalance_experts_(layers, rebalance_NE, optimizer)
+            history["rank_loads"].append(
+                [(r.imbalance_before, r.imbalance_after, _contiguous_imbalance(l, world_size)
+                  if args.experts % world_size == 0 else float("nan"))
+                 for r, l in zip(results, rebalance_NE)])
+            if lead:
+                print(f"  [EP={world_size}] step {step:4d}  rebalance: max/mean rank load over "
+                      f"the loads of the last {args.rebalance_every} steps on the placement in "
+                      "use -> on the new one (contiguous, without replicas): " + "  ".join(
+                          f"layer {i} {a:.3f} -> {b:.3f} ({c:.3f})"
+                          for i, (a, b, c) in enumerate(history["rank_loads"][-1])),
+                      flush=True)
+            rebalance_NE.zero_()
         seconds = time.perf_counter() - start
         counters = read_dispatch_counters()  # this rank's, all MoE layers of the step
         traffic += torch.tensor([counters["bytes_sent"], counters["bytes_received"],
                                  counters["rows_received"]], dtype=torch.float64)
         window.add(loss.item(), seconds, load_NE)
 
-        save = args.checkpoint_dir is not None and step % args.checkpoint_every == 0
+        save = checkpoint_dir is not None and step % args.checkpoint_every == 0
         # a checkpoint ends a log window, so that the log it saves is complete
         if step % args.log_every == 0 or step == args.steps or save:
             n = len(window.losses)
@@ -444,17 +526,18 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
             window = Window()
             traffic.zero_()
         if save:
-            with atomic_checkpoint(args.checkpoint_dir, step) as checkpoint_id:
+            with atomic_checkpoint(checkpoint_dir, step) as checkpoint_id:
                 save_expert_parallel_checkpoint(
                     model, optimizer, checkpoint_id=checkpoint_id,
-                    extra_state=_restart_state(args, step, history, schedule, ep_mesh))
+                    extra_state=_restart_state(args, step, history, schedule, ep_mesh, model,
+                                               rebalance_NE))
             if lead:
                 print(f"  [EP={world_size}] step {step:4d}  checkpoint committed in "
-                      f"{args.checkpoint_dir}", flush=True)
-        if args.fail_at_step is not None:
+                      f"{checkpoint_dir}", flush=True)
+        if args.fail_at_step is not None and the_job:
             _inject_fault(args, step, rank)
 
-    if args.save_final is not None:
+    if args.save_final is not None and the_job:
         from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
 
         # full tensors gathered to rank 0 (the others get empty dicts)
@@ -468,6 +551,25 @@ def train_expert_parallel(args, P_VV: Tensor) -> dict:
     return history
 
 
+def _report_replicas(runs: list[dict], lead: bool) -> bool:
+    """The replicated run against the one without replicas: the same losses up to fp32
+    rounding (``1e-5`` of the loss, some hundred roundings of the sums that replicas reorder),
+    and the max / mean rank loads at the rebalances."""
+    replicated, plain = runs
+    diffs = [abs(a - b) / abs(b) for a, b in zip(replicated["losses"], plain["losses"])]
+    same = len(diffs) == len(plain["losses"]) and max(diffs) <= 1e-5
+    if lead:
+        print(f"  replicas: the largest relative loss difference to the run without replicas "
+              f"over {len(diffs)} steps is {max(diffs):.2e}: "
+              f"{'the same losses (within 1e-5)' if same else 'NOT the same losses'}")
+        for i, layer_loads in enumerate(zip(*replicated["rank_loads"])):
+            print(f"  layer {i} max/mean rank load at the rebalances (the loads since the "
+                  "previous one on the placement in use -> on the new placement; contiguous "
+                  "without replicas): " + ", ".join(f"{a:.3f} -> {b:.3f} ({c:.3f})"
+                                                    for a, b, c in layer_loads))
+    return same
+
+
 def main_expert_parallel(args) -> int:
     import torch.distributed as dist
 
@@ -475,9 +577,10 @@ def main_expert_parallel(args) -> int:
     dist.init_process_group("gloo")
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        if args.experts % world_size != 0:
+        if args.experts % world_size != 0 and not args.replicas:
             raise SystemExit(f"demo.py --expert-parallel: --experts ({args.experts}) must be "
-                             f"divisible by the number of ranks ({world_size})")
+                             f"divisible by the number of ranks ({world_size}), or take "
+                             "--replicas")
         if args.precision != "bf16":
             raise SystemExit("demo.py --expert-parallel: expert parallelism supports "
                              f"--precision bf16 only, got {args.precision}")
@@ -494,7 +597,7 @@ def main_expert_parallel(args) -> int:
                   f"F={args.ffn_dim}, swiglu; AdamW lr {args.lr:g}; {args.steps} steps of "
                   f"{world_size} ranks x {args.batch} x {args.seq_len - 1} tokens; expert bias "
                   f"rate {args.bias_update_rate:g}; dispatch dedup={args.dedup}, "
-                  f"num_chunks={args.num_chunks}")
+                  f"num_chunks={args.num_chunks}; router skew {args.router_skew:g}")
             print(f"loss floor (entropy rate) {floor:.3f} nats, uniform guess "
                   f"{math.log(args.vocab):.3f}; loss = mean over the ranks; bytes = rank 0's "
                   "dispatch traffic over all MoE layers; imbalance = max/mean of the global "
@@ -504,18 +607,29 @@ def main_expert_parallel(args) -> int:
                 print("note: torchrun shares one TCPStore across restarts; a restarted group "
                       "can fail or hang in init_process_group (pytorch/pytorch#135712): set "
                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n")
-            print(f"-- training with expert parallelism, EP={world_size}")
-        h = train_expert_parallel(args, P_VV)
-        loss_fell = _mean(h["losses"][-10:]) < h["losses"][0]
+            print(f"-- training with expert parallelism, EP={world_size}"
+                  + (f", {args.replicas} replica slots per rank, rebalanced every "
+                     f"{args.rebalance_every} steps" if args.replicas else ""))
+        runs = [train_expert_parallel(args, P_VV, args.replicas)]
+        if args.replicas and args.experts % world_size == 0:
+            if rank == 0:
+                print(f"\n-- the same without replicas, EP={world_size}")
+            runs.append(train_expert_parallel(args, P_VV, 0))
+        loss_fell = all(_mean(h["losses"][-10:]) < h["losses"][0] for h in runs)
+        same_losses = True
         if rank == 0:
             print("\n== summary")
-            print(f"  [{h['label']}] loss {h['losses'][0]:.3f} -> {_mean(h['losses'][-10:]):.3f} "
-                  f"(mean of the last 10 steps; entropy rate {floor:.3f}), "
-                  f"{_mean(h['tokens_per_s']):,.0f} tok/s, mean imbalance "
-                  f"{_mean(h['imbalances']):.2f}")
+            for h in runs:
+                print(f"  [{h['label']}] loss {h['losses'][0]:.3f} -> "
+                      f"{_mean(h['losses'][-10:]):.3f} (mean of the last 10 steps; entropy rate "
+                      f"{floor:.3f}), {_mean(h['tokens_per_s']):,.0f} tok/s, mean imbalance "
+                      f"{_mean(h['imbalances']):.2f}")
             print(f"  loss fell: {'yes' if loss_fell else 'NO'}")
+        if len(runs) == 2:
+            same_losses = _report_replicas(runs, rank == 0)
+        if rank == 0:
             print(f"\ndemo done in {time.perf_counter() - start:.0f} s")
-        return 0 if loss_fell else 1
+        return 0 if loss_fell and same_losses else 1
     finally:
         destroy_process_group()
 
@@ -557,6 +671,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="expert parallel: one dispatched row per (token, destination rank)")
     ap.add_argument("--num-chunks", type=int, default=1,
                     help="expert parallel: chunks whose exchanges overlap the expert compute")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="expert parallel: physical expert slots per rank beyond ceil(E / R), "
+                    "for replicas of the busiest experts")
+    ap.add_argument("--rebalance-every", type=int, default=None,
+                    help="expert parallel with --replicas: plan the placement again every this "
+                    "many steps from the observed loads")
+    ap.add_argument("--router-skew", type=float, default=0.0,
+                    help="start the routers with a Zipf(s)-like bias towards a few experts")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="expert parallel: resume from the latest complete checkpoint here, and "
                     "save one every --checkpoint-every steps")
@@ -576,6 +698,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                      if getattr(args, k) is not None]
     if restart_flags and not args.expert_parallel:
         ap.error(f"{', '.join(restart_flags)}: only with --expert-parallel")
+    if args.replicas < 0:
+        ap.error(f"--replicas must be at least 0, got {args.replicas}")
+    if args.replicas and not args.expert_parallel:
+        ap.error("--replicas: only with --expert-parallel")
+    if args.rebalance_every is not None and (not args.replicas or args.rebalance_every < 1):
+        ap.error(f"--rebalance-every needs --replicas and a number of steps >= 1, got "
+                 f"{args.rebalance_every}")
+    if args.router_skew < 0 or not math.isfinite(args.router_skew):
+        ap.error(f"--router-skew must be a finite number >= 0, got {args.router_skew}")
     if (args.checkpoint_dir is None) != (args.checkpoint_every is None):
         ap.error("--checkpoint-dir and --checkpoint-every go together")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:

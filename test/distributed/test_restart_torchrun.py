@@ -129,6 +129,28 @@ class TestRestartTorchrun(TestCase):
             resumed = torch.load(os.path.join(tmp, "resumed.pt"), weights_only=True)
             self.assertSameState(resumed, reference)
 
+    def test_kill_restart_with_replicas_is_bit_identical(self):
+        # replicated experts rebalanced every 4 steps: the checkpoint of step 6 holds the
+        # placement of step 4 and the loads of steps 5 and 6, which the rebalance of step 8
+        # plans from; resumed, it must log the same rank loads and end in the same state
+        replicas = ["--replicas", "1", "--rebalance-every", "4", "--router-skew", "1.2"]
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = os.path.join(tmp, "ckpt")
+            ref_out = _launch(*replicas, "--save-final", os.path.join(tmp, "reference.pt"))
+            reference = torch.load(os.path.join(tmp, "reference.pt"), weights_only=True)
+            out = _launch(*replicas, "--checkpoint-dir", ckpt, "--checkpoint-every", "3",
+                          "--fail-at-step", "7", "--fail-rank", "1",
+                          "--save-final", os.path.join(tmp, "restarted.pt"), max_restarts=1)
+            self.assertIn(f"resuming from {ckpt}/step_00000006: 6 steps done", out)
+            restarted = torch.load(os.path.join(tmp, "restarted.pt"), weights_only=True)
+            # the physical expert weights, [R * S] = [6] slots of the 4 experts
+            self.assertEqual(reference["model"]["blocks.0.moe.experts.w1"].size(0), 6)
+            self.assertSameState(restarted, reference)
+            rebalances = [re.findall(r"step +8  rebalance: .*", o) for o in (out, ref_out)]
+            self.assertEqual(len(rebalances[1]), 1, ref_out)
+            self.assertEqual(rebalances[0], rebalances[1])
+            self.assertIn("the same losses (within 1e-5)", out)
+
 
 if __name__ == "__main__":
     run_tests()
