@@ -41,10 +41,22 @@ SHORT_FORMS = {
     "python benchmarks/moe_layer.py": "python benchmarks/moe_layer.py --quick",
     "python tools/import_graph.py": "python tools/import_graph.py",
     "python benchmarks/gpu.py": "python benchmarks/gpu.py --quick",
+    "torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --steps 40 --replicas 1 "
+    "--rebalance-every 10 --router-skew 1.2":
+        "torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --steps 8 --log-every 4 "
+        "--replicas 1 --rebalance-every 4 --router-skew 1.2",
+    # a checkpoint directory of its own for every run: the command resumes from what it finds
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 "
+    "benchmarks/demo.py --expert-parallel --steps 40 --checkpoint-dir /tmp/moe_ckpt "
+    "--checkpoint-every 10 --fail-at-step 25":
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 "
+        "benchmarks/demo.py --expert-parallel --steps 8 --log-every 4 --checkpoint-dir "
+        "\"$(mktemp -d)/ckpt\" --checkpoint-every 3 --fail-at-step 5",
 }
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-_INLINE = re.compile(r"`((?:python|torchrun)\s[^`]+)`")
+# a command, after any environment assignments (NAME=value)
+_INLINE = re.compile(r"`((?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:python|torchrun)\s[^`]+)`")
 
 
 def readme_commands(text: str):
