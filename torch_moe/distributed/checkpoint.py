@@ -16,11 +16,17 @@ state of a fresh optimizer before loading into it) and check the shapes against 
 first, so that a mismatch is a ``ValueError`` naming the entry rather than an error raised from
 inside DCP's collective planning.
 
-**Placement with replicas** (:class:`~torch_moe.distributed.placement.Placement`). Rank r holds a
-plain local tensor ``[S, ...]`` for each expert weight and each per-expert optimizer state; its
-slot s is physical slot ``p = r * S + s`` and holds logical expert ``phys_to_logical[p]``. Hot
-experts have several slots holding identical data. The checkpoint stores the *logical* tensor
-``[E, ...]``, independent of the placement:
+**Placement with replicas** (:class:`~torch_moe.distributed.placement.Placement`). Rank r holds
+``[S, ...]`` rows for each expert weight and each per-expert optimizer state; its slot s is
+physical slot ``p = r * S + s`` and holds logical expert ``phys_to_logical[p]``. Hot experts
+have several slots holding identical data. ``ExpertParallel(slots_per_rank=S)`` keeps them as
+``Shard(0)`` DTensors of global size ``P = R * S``: DCP saves and loads those like any other
+DTensor, physical rows and all, and a resume on the same ``R`` and ``S`` is bit-exact when the
+placement tables are saved and loaded with them
+(:func:`torch_moe.distributed.replicas.placement_state_dict` in ``extra_state``). To change
+``R``, ``S`` or the placement across a checkpoint, store the *logical* tensor ``[E, ...]``,
+independent of the placement (from the DTensors' ``to_local()`` shards, or from plain local
+tensors):
 
 * :func:`logical_expert_state_dict` replaces each expert entry of a state dict by an ``[E, ...]``
   stand-in whose chunks are the rows of this rank's *primary* slots (``logical_to_phys[e, 0]``),
