@@ -47,6 +47,7 @@ if HAS_DIST:
     from torch_moe.distributed.parallel import ExpertParallel
     from torch_moe.distributed.placement import plan_placement
     from torch_moe.distributed.replicas import (
+        clip_grad_norm_,
         expert_placement,
         load_placement_state_dict_,
         logical_expert_weights,
@@ -295,6 +296,42 @@ class TestReplicas(DTensorOpTestBase):
             expected = getattr(ref.experts, name).grad / R
             self.assertEqual(grad.full_tensor(), expected[placement.phys_to_logical], **TOL,
                              msg=name)
+
+    def test_clip_grad_norm_counts_every_expert_once(self):
+        R = self.world_size
+        moe, ref = skewed_moe(), skewed_moe()
+        placement = plan_placement(torch.exp(ref.router.bias.detach()), R, 3)
+        parallelize_module(moe, self.mesh(), ExpertParallel(placement=placement))
+        xs, ts = step_tokens(0, R, 0)
+        loss_of(moe(xs[self.rank]), ts[self.rank]).backward()
+        sum(loss_of(ref(x), t) for x, t in zip(xs, ts)).backward()
+        for p in moe.parameters():  # the data-parallel mean of the router's gradient
+            if not isinstance(p, DTensor):
+                dist.all_reduce(p.grad)
+                p.grad /= R
+        for p in ref.parameters():  # the mean over the R token sets
+            p.grad /= R
+        reduce_replica_grads_(moe)
+        # torch's clip over the physical parameters counts a replicated expert once per replica
+        physical = torch.nn.utils.get_total_norm(
+            [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for p in moe.parameters()])
+        for norm_type in (2.0, 1.0, float("inf")):
+            expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()],
+                                                     norm_type)
+            if norm_type == 2.0:
+                self.assertGreater(physical.item(), expected.item() * 1.01)
+            with self.subTest(norm_type=norm_type):
+                self.assertEqual(clip_grad_norm_(moe, float("inf"), norm_type), expected,
+                                 atol=1e-6, rtol=1e-5)
+        max_norm = 0.5 * torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+        total = clip_grad_norm_(moe, max_norm)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        self.assertGreater(total.item(), max_norm)
+        for name in WEIGHTS:
+            self.assertEqual(getattr(moe.experts, name).grad.full_tensor(),
+                             getattr(ref.experts, name).grad[placement.phys_to_logical], **TOL)
+        self.assertEqual(moe.router.weight.grad, ref.router.weight.grad, **TOL)
 
     def test_training_matches_single_process(self):
         check_training_matches_single_process(self, self.mesh())

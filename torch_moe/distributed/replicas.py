@@ -4,8 +4,8 @@ reduction of replica gradients, rebalancing from observed loads, and checkpoints
 ``ExpertParallel(slots_per_rank=S)`` (or ``placement=``) of
 :mod:`torch_moe.distributed.parallel` stores the stacked expert weights of a layer as
 *physical* weights ``w1, w3 [P, D, F]``, ``w2 [P, F, D]`` with ``P = R * S >= E`` slots:
-``Shard(0)`` DTensors over the ``R`` ranks of the 1-D ``ep`` mesh, slot ``p`` on rank ``p // S`` (the slot
-order of :mod:`torch_moe.distributed.placement`). Slot p holds logical expert
+``Shard(0)`` DTensors over the ``R`` ranks of the 1-D ``ep`` mesh, slot ``p`` on rank ``p // S``
+(the slot order of :mod:`torch_moe.distributed.placement`). Slot p holds logical expert
 ``placement.phys_to_logical[p]``; a hot expert has several slots, its *replicas*, which hold the
 same weights. The router picks logical experts; the experts' input hook sends each assignment to
 one replica (:func:`~torch_moe.distributed.placement.route_to_replicas`, the replicas of an
@@ -32,6 +32,10 @@ same order (each is collective over the ``ep`` group):
   the per-slot optimizer state (Adam's ``exp_avg`` / ``exp_avg_sq``, ...) to it in place, with
   :func:`~torch_moe.distributed.placement.rebalance_distributed_`; the parameters and their
   storages stay the same objects, so the optimizer keeps working on them.
+* :func:`clip_grad_norm_`, in place of ``torch.nn.utils.clip_grad_norm_`` (after
+  :func:`reduce_replica_grads_`): the norm of the logical model's gradient, every expert
+  counted once. ``torch.nn.utils.clip_grad_norm_`` over the physical parameters would count an
+  expert with ``n`` replicas ``n`` times and clip by a norm that depends on the placement.
 * :func:`logical_expert_weights` gathers the logical ``[E, ...]`` weights (tests, export).
 * Checkpoints: the physical DTensors are ordinary ``Shard(0)`` DTensors of global size ``P``,
   saved and loaded by DCP (``model.state_dict()``, ``get_state_dict``) like any other, with the
@@ -68,6 +72,7 @@ from torch_moe.distributed.placement import (
 from torch_moe.nn.modules.moe import GroupedExperts, MoE
 
 __all__ = [
+    "clip_grad_norm_",
     "expert_placement",
     "load_placement_state_dict_",
     "logical_expert_weights",
@@ -214,6 +219,67 @@ def reduce_replica_grads_(modules: Union[nn.Module, Iterable[nn.Module]]) -> Non
         dist.all_reduce(flat, group=group)
         for part, (g, slots, rows, _) in zip(parts, entries):
             g.index_copy_(0, slots, part.index_select(0, rows))
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` for a model with replicated
+    experts: scales every gradient of ``model`` in place so that the ``norm_type``-norm of the
+    gradient of the *logical* model is at most ``max_norm``; returns that norm (before
+    clipping), a plain 0-dim tensor, the same on every rank.
+
+    The norm counts every logical expert once: a replicated layer's physical gradient
+    ``[P, ...]`` contributes ``sum_p |g_p|^q / n(p)`` (``q = norm_type``, ``n(p)`` the replicas of
+    slot p's expert; the maximum for ``inf``), which after :func:`reduce_replica_grads_` is the
+    norm of the gradient without replicas. Other gradients count as in torch (a DTensor by its
+    full tensor; a plain tensor as it is, which for data-parallel replicated parameters is the
+    same on every rank). Collective over the ``ep`` group of every replicated layer: every rank
+    calls it.
+    """
+    fn = "clip_grad_norm_"
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{fn}: expected the model, an nn.Module, but got "
+                         f"{type(model).__name__}")
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"{fn}: expected norm_type > 0 (or inf), but got {norm_type}")
+    inf = norm_type == float("inf")
+    physical, parts = set(), []  # parts: each gradient's norm (inf) or norm ** norm_type
+    for experts in _replicated_in(fn, model):
+        layout = _layout(experts)
+        for name, p in _weights(experts).items():
+            physical.add(id(p))
+            if p.grad is None:
+                continue
+            g_SX = _check_physical(fn, f"the gradient of {name}", p.grad, layout)
+            copies = layout.placement.num_replicas[layout.local_experts()].to(g_SX.device)
+            slot_norms = torch.linalg.vector_norm(g_SX.flatten(1).float(), norm_type, dim=1)
+            local = slot_norms.max() if inf else (slot_norms.pow(norm_type) / copies).sum()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            group=layout.group)
+            parts.append(local)
+    for p in model.parameters():
+        if id(p) in physical or p.grad is None:
+            continue
+        g = p.grad
+        norm = torch.linalg.vector_norm(g, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        parts.append(norm.float() if inf else norm.float().pow(norm_type))
+    if not parts:
+        return torch.zeros(())
+    device = parts[0].device
+    stacked = torch.stack([t.to(device) for t in parts])
+    total = stacked.max() if inf else stacked.sum().pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"{fn}: the total norm of order {norm_type} of the gradients is "
+                           f"{total.item()}, so it cannot clip them")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(coef.to(g.device, g.dtype))
+    return total
 
 
 class Rebalanced(NamedTuple):
