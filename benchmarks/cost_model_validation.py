@@ -429,6 +429,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a few configurations and quick calibrations (plumbing only)")
     parser.add_argument("--no-dispatch", action="store_true", help="skip the gloo part")
+    parser.add_argument("--no-layers", action="store_true", help="skip the layer part")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per configuration (default 7, quick 2)")
     parser.add_argument("--threads", type=int, default=1,
@@ -449,7 +450,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (2 if args.quick else 7)
-    layer_configs = QUICK_LAYERS if args.quick else HELD_OUT_LAYERS
+    layer_configs = () if args.no_layers else QUICK_LAYERS if args.quick else HELD_OUT_LAYERS
     dispatch_configs = () if args.no_dispatch else (
         QUICK_DISPATCH if args.quick else HELD_OUT_DISPATCH)
 
@@ -467,11 +468,13 @@ def main() -> None:
               f"{p.page_fault_s_per_byte * 2**20 * 1e3:.2f} ms/MiB", flush=True)
         return p
 
-    before = calibrated("before")
-    runs = measure_layers(layer_configs, rounds, clock)
-    profile = calibrate.average_profiles([before, calibrated("after")], "local-cpu")
-    calibrate.save_profile(profile, out_dir / "cost_model_profile.json")
-    rows = [predict_layer(run, profile, statistic) for run in runs]
+    rows = []
+    if layer_configs:
+        before = calibrated("before")
+        runs = measure_layers(layer_configs, rounds, clock)
+        profile = calibrate.average_profiles([before, calibrated("after")], "local-cpu")
+        calibrate.save_profile(profile, out_dir / "cost_model_profile.json")
+        rows += [predict_layer(run, profile, statistic) for run in runs]
     if dispatch_configs:
         rows += run_dispatch(dispatch_configs, args.quick, rounds)
 

@@ -253,6 +253,22 @@ class TestFormulas(TestCase):
         self.assertAlmostEqual(n.inter_copies, 4 * 7 / 8)
         self.assertEqual(comm_cost.ep_nodes(64, 1, 8), 8)
         self.assertEqual(comm_cost.ep_nodes(2, 2, 8), 1)
+        # a skewed load: dedup follows the rank shares (equal shares: the uniform count; all
+        # on one rank: one copy per token); plain sends k copies whatever the load
+        uniform = comm_cost.dispatch_traffic(16, 4, 2, 1, 2, "dedup").copies
+        self.assertAlmostEqual(comm_cost.dispatch_traffic(16, 4, 2, 1, 2, "dedup",
+                                                          rank_shares=[5, 5]).copies, uniform)
+        self.assertEqual(comm_cost.dispatch_traffic(16, 4, 2, 1, 2, "dedup",
+                                                    rank_shares=[1, 0]).copies, 1.0)
+        # 3:1 shares: hit probabilities 1 - 0.25^4 and 1 - 0.75^4, mapped linearly from
+        # (1 rank: 1 copy) to (equal shares, 2 - 2 * 0.5^4: the uniform count)
+        skew = comm_cost.dispatch_traffic(16, 4, 2, 1, 2, "dedup", rank_shares=[3, 1]).copies
+        h, h_uniform = 2 - 0.25 ** 4 - 0.75 ** 4, 2 - 2 * 0.5 ** 4
+        self.assertAlmostEqual(skew, 1 + (uniform - 1) * (h - 1) / (h_uniform - 1))
+        self.assertEqual(comm_cost.dispatch_traffic(16, 4, 2, 1, 2, "plain",
+                                                    rank_shares=[3, 1]).copies, 4.0)
+        with self.assertRaisesRegex(ValueError, "rank_shares to be 2 non-negative"):
+            comm_cost.dispatch_traffic(16, 4, 2, 1, 2, "dedup", rank_shares=[1, 1, 1])
 
     def test_layer_a2a_hand_computed(self):
         prof = _toy_profile()

@@ -80,8 +80,16 @@ class DispatchTraffic:
 
 
 def dispatch_traffic(num_experts: int, k: int, ep: int, etp: int, gpus_per_node: int,
-                     method: str, max_nodes: int | None = None) -> DispatchTraffic:
+                     method: str, max_nodes: int | None = None,
+                     rank_shares=None) -> DispatchTraffic:
     """Copies per token under uniform routing for ``method`` in :data:`DISPATCH_METHODS`.
+
+    ``rank_shares``: the share of the assignments each of the ``ep`` ranks' experts receive,
+    for a skewed load; a dedup copy count then follows it: a token's ``k`` assignments hit
+    rank ``r`` with probability about ``1 - (1 - q_r)^k``, whose sum ``h`` over the ranks is
+    mapped linearly onto the copies, ``h = 1`` (the whole load on one rank) to one copy and the
+    equal shares' ``h`` to the uniform count. Plain dispatch sends ``k`` copies whatever the
+    load.
 
     ``node_limited`` needs ``max_nodes`` (each token's experts lie on at most that many nodes).
     For it, the closed forms of ``_dispatch_plan`` are upper bounds (``min(k, m)``) that can
@@ -97,6 +105,16 @@ def dispatch_traffic(num_experts: int, k: int, ep: int, etp: int, gpus_per_node:
         copies = expected_copies_per_token(num_experts, k, ep, dedup=False)
         return DispatchTraffic(copies, copies * (1.0 - remote), copies * remote)
     dedup = expected_copies_per_token(num_experts, k, ep, dedup=True)
+    if rank_shares is not None:
+        shares = [float(q) for q in rank_shares]
+        total = sum(shares)
+        if len(shares) != ep or not total > 0 or any(not q >= 0 for q in shares):
+            raise ValueError(f"expected rank_shares to be {ep} non-negative numbers with a "
+                             f"positive sum, but got {rank_shares!r}")
+        hit = sum(1.0 - (1.0 - q / total) ** k for q in shares)
+        uniform_hit = ep * (1.0 - (1.0 - 1.0 / ep) ** k)
+        if uniform_hit > 1.0:
+            dedup = min(dedup, 1.0 + (dedup - 1.0) * (hit - 1.0) / (uniform_hit - 1.0))
     if method == "dedup":
         return DispatchTraffic(dedup, dedup * (1.0 - remote), dedup * remote)
     if max_nodes is None:

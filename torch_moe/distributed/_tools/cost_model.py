@@ -331,8 +331,10 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
                          f"{tokens_per_rank!r}")
     T = float(tokens_per_rank)
     counts = expert_counts(E, group * T * k, load) if T > 0 else [0.0] * E
+    # a skewed load hits fewer ranks per token: dedup sends fewer copies
+    shares = [sum(s) for s in _rank_slices(counts, ep)] if sum(counts) > 0 else None
     traffic = comm_cost.dispatch_traffic(E, k, ep, etp, gpus_per_node, strategy.dispatch,
-                                         layer.max_nodes)
+                                         layer.max_nodes, shares)
     c = strategy.num_chunks
     prec = strategy.precision
     f_local = layer.hidden_dim // etp
