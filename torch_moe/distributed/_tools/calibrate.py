@@ -20,8 +20,8 @@ factor is fitted to a layer's measured time. What is measured, and the profile f
   cumsum) and three calls of a trivial ``torch.library`` custom op with an autograd formula
   (the expert op's forward and backward, the sort op): ``layer_overhead_s``;
 * the elementwise ATen kernels of an expert FFN (row gather, SwiGLU forward and backward,
-  routing-weight scaling, scatter-add) block by block on fixed buffers:
-  ``elementwise_bandwidth_Bps``;
+  routing-weight scaling, scatter-add) block by block on fixed buffers, with ``torch.mm``
+  calls between them where an FFN has its GEMMs (timed apart): ``elementwise_bandwidth_Bps``;
 * ``copy_`` into an existing buffer: ``memory_bandwidth_Bps`` (read + write);
 * a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold against the same on a
   reused buffer: ``page_fault_s_per_byte``;
@@ -321,7 +321,10 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     plain ATen calls (``index_select``, ``sigmoid``, ``mul_``, ``index_add_``, a row-wise
     dot) on reused buffers, block by block as the CPU kernel walks its rows
     (``torch_moe/_native/cpu.py``: ``_BLOCK_ROWS``), so every call's fixed cost is paid as
-    often; no GEMM and no torch_moe kernel."""
+    often. Between them run the block's GEMMs where an FFN has them (gate and up, down;
+    ``G w2^T``, the weight gradients, ``dX``), on a few experts' weights in turn, so the
+    elementwise kernels find the cache as the GEMMs leave it; only the elementwise calls are
+    timed. No torch_moe kernel runs."""
     from torch_moe._native.cpu import _BLOCK_ROWS as block
     from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
 
@@ -331,13 +334,18 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     x, grad = (torch.randn(n, D, generator=g).to(dtype) for _ in range(2))
     idx = torch.randperm(n, generator=g)
     w = torch.rand(n, 1, generator=g).to(dtype)
-    h = torch.randn(n, 2 * F, generator=g).to(dtype)
+    h = torch.empty(n, 2 * F, dtype=dtype)
     X, G, o, dX = (torch.empty(n, D, dtype=dtype) for _ in range(4))
     act, s = torch.empty(n, F, dtype=dtype), torch.empty(n, F, dtype=dtype)
-    dA = torch.randn(n, F, generator=g).to(dtype)
+    dA = torch.empty(n, F, dtype=dtype)
     dH = torch.empty(n, 2 * F, dtype=dtype)
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     acc = torch.zeros(n, D, dtype=acc_dtype)
+    experts = 8
+    w1, w3 = (torch.randn(experts, D, F, generator=g).div_(D ** 0.5).to(dtype)
+              for _ in range(2))
+    w2 = torch.randn(experts, F, D, generator=g).div_(F ** 0.5).to(dtype)
+    gw1, gw3, gw2 = torch.empty_like(w1[0]), torch.empty_like(w3[0]), torch.empty_like(w2[0])
 
     def add_rows(i, src):
         # sums across experts accumulate in fp32 at least: the block is converted first
@@ -348,33 +356,58 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
         return torch.sigmoid(gate, out=out).mul_(gate).mul_(up)
 
     def run():
-        for st in range(0, n, block):
+        spent = 0.0
+        for b, st in enumerate(range(0, n, block)):
             e = min(st + block, n)
+            ex = b % experts
             i, hb, wb = idx[st:e], h[st:e], w[st:e]
+            Xb, Gb, ob, dXb = X[st:e], G[st:e], o[st:e], dX[st:e]
+            ab, sb, dAb, dHb = act[st:e], s[st:e], dA[st:e], dH[st:e]
             # forward
-            torch.index_select(x, 0, i, out=X[st:e])
-            swiglu(hb, act[st:e])
-            o[st:e].copy_(X[st:e]).mul_(wb)  # stands in for the down projection's output
-            add_rows(i, o[st:e])
+            t0 = _clock()
+            torch.index_select(x, 0, i, out=Xb)
+            spent += _clock() - t0
+            torch.mm(Xb, w1[ex], out=hb[:, :F])
+            torch.mm(Xb, w3[ex], out=hb[:, F:])
+            t0 = _clock()
+            swiglu(hb, ab)
+            spent += _clock() - t0
+            torch.mm(ab, w2[ex], out=ob)
+            t0 = _clock()
+            ob.mul_(wb)
+            add_rows(i, ob)
             # backward
-            torch.index_select(grad, 0, i, out=G[st:e])
-            swiglu(hb, act[st:e])
-            torch.sum(dA[st:e] * act[st:e], dim=1)
-            act[st:e].mul_(wb)
-            da = dA[st:e].mul_(wb)
+            torch.index_select(grad, 0, i, out=Gb)
+            swiglu(hb, ab)
+            spent += _clock() - t0
+            torch.mm(Gb, w2[ex].t(), out=dAb)
+            t0 = _clock()
+            torch.sum(dAb * ab, dim=1)
+            ab.mul_(wb)
+            spent += _clock() - t0
+            torch.mm(ab.t(), Gb, out=gw2)
+            t0 = _clock()
+            da = dAb.mul_(wb)
             gate, up = hb[:, :F], hb[:, F:]
-            dg, du = dH[st:e, :F], dH[st:e, F:]
-            torch.sigmoid(gate, out=s[st:e])
-            torch.mul(gate, s[st:e], out=du).mul_(da)
-            torch.neg(s[st:e], out=dg).add_(1).mul_(gate).add_(1).mul_(s[st:e]).mul_(up) \
-                .mul_(da)
-            torch.index_select(x, 0, i, out=dX[st:e])
-            add_rows(i, dX[st:e])
+            dg, du = dHb[:, :F], dHb[:, F:]
+            torch.sigmoid(gate, out=sb)
+            torch.mul(gate, sb, out=du).mul_(da)
+            torch.neg(sb, out=dg).add_(1).mul_(gate).add_(1).mul_(sb).mul_(up).mul_(da)
+            torch.index_select(x, 0, i, out=Xb)
+            spent += _clock() - t0
+            torch.mm(Xb.t(), dg, out=gw1)
+            torch.mm(Xb.t(), du, out=gw3)
+            torch.mm(dg, w1[ex].t(), out=dXb)
+            dXb.addmm_(du, w3[ex].t())
+            t0 = _clock()
+            add_rows(i, dXb)
+            spent += _clock() - t0
+        return spent
 
-    # the stand-in copy_ of the forward is D extra bytes read per row; count it
-    b = torch.finfo(dtype).bits // 8
-    fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, b)
-    return (fwd + bwd + n * D * b) / _median_s(run, reps)
+    run()  # warm-up
+    elapsed = _statistic([run() for _ in range(reps)])
+    fwd, bwd = ffn_elementwise_bytes(n, n, D, F, True, torch.finfo(dtype).bits // 8)
+    return (fwd + bwd) / elapsed
 
 
 def measure_copy_bandwidth_Bps(nbytes: int = 64 * _MiB, reps: int = 5) -> float:
