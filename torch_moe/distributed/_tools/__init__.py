@@ -11,10 +11,12 @@
 * ``cost_model``: one MoE layer forward + backward on the slowest rank, with chunked overlap.
 * ``planner``: whole models (DeepSeek-V3, Mixtral 8x7B presets), strategies ranked by predicted
   step time under the memory limit, with a breakdown table.
-* ``calibrate``: measure the local machine into a profile (GEMM curves, the CPU kernel's
-  per-group, elementwise and per-layer costs, copy bandwidth, page faults, gloo all-to-all).
+* ``calibrate``: measure the local machine into a profile from microbenchmarks only (``torch.mm``
+  curves, per-call and per-layer stand-ins, elementwise ATen kernels, copy bandwidth, page
+  faults, gloo all-to-all and its overlap with GEMMs), at shapes disjoint from the validated ones.
 
-``benchmarks/sparsity_sweep.py`` checks the model against torch_moe on the local machine.
+``benchmarks/cost_model_validation.py`` checks the model out of sample against torch_moe on the
+local machine (a fixed held-out set); ``benchmarks/sparsity_sweep.py`` sweeps one layer shape.
 
 Print the DeepSeek-V3 and Mixtral plans with
 ``python -c "from torch_moe.distributed._tools import planner; planner.main()"``.

@@ -124,8 +124,9 @@ class DeviceProfile:
             where it overlaps with device work.
         dispatch_row_s: host seconds per row an expert-parallel layer dispatches, beyond its
             FFN and the wire time: packing, the sender's gathers and combine, and the CPU work
-            of a host transport such as gloo. Measured on the CPU with a process group; 0 for
-            the GPU profiles, where copy engines and kernels do this work (not measured).
+            of a host transport such as gloo. Not measured (``calibrate_local`` leaves it 0: the
+            elementwise and all-to-all terms price the sender's gathers and the transport);
+            0 for the GPU profiles, where copy engines and kernels do this work.
         fresh_alloc_threshold_bytes: allocations at or above this size are fresh mappings that
             page-fault on first touch (glibc's 32 MiB mmap ceiling on the CPU); ``inf`` where a
             caching allocator reuses blocks (CUDA / ROCm).
