@@ -23,8 +23,8 @@ factor is fitted to a layer's measured time. What is measured, and the profile f
   routing-weight scaling, scatter-add) block by block on fixed buffers, with ``torch.mm``
   calls between them where an FFN has its GEMMs (timed apart): ``elementwise_bandwidth_Bps``;
 * ``copy_`` into an existing buffer: ``memory_bandwidth_Bps`` (read + write);
-* a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold against the same on a
-  reused buffer: ``page_fault_s_per_byte``;
+* a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold (after ``malloc_trim``)
+  against the same on a reused buffer: ``page_fault_s_per_byte``;
 * with a process group: ``all_to_all_single`` at two sizes, the latency and bandwidth of both
   link fields (one machine has one link); and an ``all_to_all_single`` in flight while the
   rank runs GEMMs against each alone: ``overlap_efficiency``, the share of the shorter that
@@ -419,14 +419,34 @@ def measure_copy_bandwidth_Bps(nbytes: int = 64 * _MiB, reps: int = 5) -> float:
 
 
 def measure_page_fault_s_per_byte(nbytes: int = 64 * _MiB, reps: int = 5) -> float:
-    """Extra seconds per byte of a fresh ``empty`` + ``fill_`` over a reused buffer's ``fill_``
-    (zero when the size is below the allocator's fresh-mapping threshold)."""
+    """Extra seconds per byte of a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap
+    threshold over a reused buffer's ``fill_``. Before each fresh allocation the allocator
+    returns its free memory to the system (glibc's ``malloc_trim``): a free heap region left
+    by earlier work could otherwise serve the allocation with pages already mapped."""
     _check_reps(reps)
     n = max(1, nbytes // 4)
     reused = torch.empty(n)
     t_reused = _median_s(lambda: reused.fill_(0), reps)
-    t_fresh = _median_s(lambda: torch.empty(n).fill_(0), reps)
-    return max(0.0, t_fresh - t_reused) / (n * 4)
+    trim = _malloc_trim()
+    times = []
+    for _ in range(reps + 1):  # the first is the warm-up
+        trim()
+        t0 = _clock()
+        torch.empty(n).fill_(0)
+        times.append(_clock() - t0)
+    return max(0.0, _statistic(times[1:]) - t_reused) / (n * 4)
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim(0)`` (free heap memory back to the system), or a no-op where the
+    C library has none."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
 
 
 def measure_all_to_all(group, small_bytes: int = 1024, large_bytes: int = 4 * _MiB,
