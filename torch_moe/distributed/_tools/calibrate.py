@@ -12,6 +12,10 @@ factor is fitted to a layer's measured time. What is measured, and the profile f
   different matrices (as each group meets its own expert), in fp32 and, where the CPU has bf16 GEMM
   instructions, bf16: ``peak_flops`` (the best rate seen), ``precision_curves`` (rate / peak
   per precision) and ``gemm_efficiency`` / ``wgrad_efficiency`` (those of bf16);
+* the set-up cost of a ``torch.mm`` call of a shape not seen before (a oneDNN primitive built
+  and JIT-compiled for bf16; nothing for MKL's fp32) against rows, in the token-major and the
+  weight-gradient form at the calibration widths, each call made new by an output row stride
+  not used before and timed against its repeat: ``gemm_create_s`` per precision;
 * the host cost of one ``torch.mm`` call on one-row views of tiny matrices, with the slicing
   and expert selection that produce its operands: ``per_group_s`` (the cost model charges it
   per non-empty group and grouped GEMM);
@@ -47,9 +51,11 @@ and bracket long measurements (:func:`average_profiles`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 import statistics
 import time
@@ -66,6 +72,7 @@ __all__ = [
     "timing",
     "measure_gemm_curve",
     "measure_mm_call_s",
+    "measure_gemm_create_s",
     "measure_layer_overhead_s",
     "measure_ffn_elementwise_Bps",
     "measure_copy_bandwidth_Bps",
@@ -224,6 +231,74 @@ def measure_gemm_curve(rows, dim: int, hidden_dim: int, dtype: torch.dtype = tor
             if p:  # the first pass is the warm-up
                 times[r].append((_clock() - t0) / calls)
     return [(int(r), forms * 2.0 * r * D * F / _statistic(times[r])) for r in rows]
+
+
+# Output row strides of measure_gemm_create_s are never used twice in a process for one shape,
+# so every first call is a shape the GEMM library has not prepared, whatever ran before.
+_fresh_strides = collections.defaultdict(itertools.count)
+_CREATE_ROWS = (3, 48, 384, 1536)
+
+
+def _primitive_cache_capacity() -> int:
+    """Entries of oneDNN's primitive cache: its environment setting, else its default 1024."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1024
+
+
+def measure_gemm_create_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.float32,
+                          reps: int = 5, batch: int = 8) -> list[tuple[int, float]]:
+    """``[(rows, seconds)]``: the extra seconds of the first ``torch.mm`` call of a shape over
+    the same call repeated, the mean of the token-major form (``[rows, D] @ [D, F]``) and the
+    weight-gradient form (``[D, rows] @ [rows, F]``, a transposed view). Each timing runs
+    ``batch`` new shapes, then the same ``batch`` calls again; the statistic is over ``reps``
+    such timings, so it summarises the mean cost of a set-up, as a layer call pays many. A
+    shape is new through its output: a column slice of a buffer whose row stride no earlier
+    call used, which changes no arithmetic but is part of the key under which oneDNN caches
+    its primitives. Outputs are zero-filled first, so the first call page-faults no more than
+    its repeat. The cache is filled before (:func:`_primitive_cache_capacity` new 3-row
+    shapes), so every new shape evicts one, as in a job whose group sizes change every step."""
+    _check_reps(reps)
+    if dim < 1 or hidden_dim < 1 or not rows or any(r < 1 for r in rows):
+        raise ValueError(f"expected positive rows, dim and hidden_dim, but got rows={rows}, "
+                         f"dim={dim}, hidden_dim={hidden_dim}")
+    D, F = dim, hidden_dim
+    g = torch.Generator().manual_seed(0)
+    top = max(rows)
+    x = torch.randn(top, D, generator=g).to(dtype)
+    w = torch.randn(D, F, generator=g).to(dtype)
+    grad = torch.randn(top, F, generator=g).to(dtype)
+    # a long job keeps its primitive cache full (group sizes change every step), so each new
+    # primitive also evicts and destroys one: fill the cache with 3-row shapes first
+    for _ in range(_primitive_cache_capacity() + 64):
+        pad = 16 * (1 + next(_fresh_strides[(dtype, D, F, "fill")]))
+        torch.mm(x[:3], w, out=torch.empty(3, F + pad, dtype=dtype)[:, :F])
+
+    def first_over_repeat(call, out_rows, key):
+        outs = [torch.zeros(out_rows, F + 16 * (1 + next(_fresh_strides[key])),
+                            dtype=dtype)[:, :F] for _ in range(batch)]
+        t0 = _clock()
+        for out in outs:
+            call(out)
+        t1 = _clock()
+        for out in outs:
+            call(out)
+        t2 = _clock()
+        return ((t1 - t0) - (t2 - t1)) / batch
+
+    points = []
+    for r in rows:
+        forms = (
+            (lambda out, r=r: torch.mm(x[:r], w, out=out), r),
+            (lambda out, r=r: torch.mm(x[:r].t(), grad[:r], out=out), D),
+        )
+        extra = [_statistic([first_over_repeat(call, n, (dtype, D, F, r, i))
+                             for _ in range(reps)])
+                 for i, (call, n) in enumerate(forms)]
+        points.append((int(r), max(0.0, sum(extra) / len(extra))))
+    return points
 
 
 def measure_mm_call_s(reps: int = 5, groups: int = 256) -> float:
@@ -580,11 +655,14 @@ def calibrate_local(quick: bool = False, group=None, name: str = "local-cpu") ->
         copy_bytes, fault_bytes, groups, ew_rows, a2a_bytes = (64 * _MiB, 64 * _MiB, 256,
                                                                 6144, 4 * _MiB)
     bf16_dtype = gemm_compute_dtype(torch.bfloat16)
+    create_rows = _QUICK_ROWS if quick else _CREATE_ROWS
     peak32, fwd32, wgr32 = _curves(torch.float32, rows, dims, reps, work)
+    create32 = measure_gemm_create_s(create_rows, *dims, torch.float32, reps)
     if bf16_dtype == torch.float32:
-        peak16, fwd16, wgr16 = peak32, fwd32, wgr32
+        peak16, fwd16, wgr16, create16 = peak32, fwd32, wgr32, create32
     else:
         peak16, fwd16, wgr16 = _curves(bf16_dtype, rows, dims, reps, work)
+        create16 = measure_gemm_create_s(create_rows, *dims, bf16_dtype, reps)
     if group is not None:
         alpha, bw = measure_all_to_all(group, large_bytes=a2a_bytes, reps=reps)
         overlap = measure_overlap_efficiency(group, a2a_bytes, reps, dims)
@@ -608,6 +686,7 @@ def calibrate_local(quick: bool = False, group=None, name: str = "local-cpu") ->
         gemm_efficiency=fwd16,
         wgrad_efficiency=wgr16,
         precision_curves={"bf16": (fwd16, wgr16), "fp32": (fwd32, wgr32)},
+        gemm_create_s={"bf16": tuple(create16), "fp32": tuple(create32)},
         gemm_call_s=0.0,
         per_group_s=measure_mm_call_s(reps, groups),
         elementwise_bandwidth_Bps=measure_ffn_elementwise_Bps(*dims, ew_rows, bf16_dtype, reps),

@@ -66,6 +66,19 @@ def _check_time_monotone(name: str, points) -> None:
                              f"({x1}, {y1}) would make {x1:g} rows faster than {x0:g}")
 
 
+def _check_seconds_curve(name: str, curve) -> tuple[tuple[float, float], ...]:
+    points = tuple((float(x), float(y)) for x, y in curve)
+    xs = [x for x, _ in points]
+    if not points or any(not (0 < x < math.inf) for x in xs) or xs != sorted(xs) \
+            or len(set(xs)) != len(xs):
+        raise ValueError(f"DeviceProfile: expected {name} to be (rows, seconds) points with "
+                         f"finite, positive, strictly increasing rows, but got rows {xs}")
+    if any(not 0 <= y < math.inf for _, y in points):
+        raise ValueError(f"DeviceProfile: expected the seconds of {name} to be finite and >= 0, "
+                         f"but got {[y for _, y in points]}")
+    return points
+
+
 def _interp(curve: tuple[tuple[float, float], ...], x: float) -> float:
     """Piecewise-linear in the rows, clamped to the end points (a GEMM never gets faster than
     the largest measured size, nor slower per row than the smallest)."""
@@ -131,6 +144,14 @@ class DeviceProfile:
             page-fault on first touch (glibc's 32 MiB mmap ceiling on the CPU); ``inf`` where a
             caching allocator reuses blocks (CUDA / ROCm).
         page_fault_s_per_byte: extra cost per byte of such a fresh allocation.
+        gemm_create_s: ``{precision: ((rows, seconds), ...)}``: host seconds to set up one GEMM
+            call of a shape the library has not prepared before, by rows of the token
+            dimension, interpolated linearly and clamped to the end points (CPU bf16: oneDNN
+            builds, JIT-compiles and caches a primitive per shape and operand layout, in an
+            LRU cache of 1024 by default; MKL's fp32 GEMM builds nothing). The cost model
+            charges it once per distinct GEMM shape of a layer call
+            (:func:`~torch_moe.distributed._tools.gemm_cost.expert_ffn_time`); absent or empty:
+            nothing to set up (GPU kernels are compiled ahead of time).
         overlap_efficiency: fraction of the shorter of a chunk's communication and compute that
             runs hidden while both are in flight (1: a perfect pipeline; 0: no overlap at all),
             as :func:`~torch_moe.distributed._tools.calibrate.measure_overlap_efficiency`
@@ -159,6 +180,7 @@ class DeviceProfile:
     fresh_alloc_threshold_bytes: float = math.inf
     page_fault_s_per_byte: float = 0.0
     precision_curves: dict = field(default_factory=dict)
+    gemm_create_s: dict = field(default_factory=dict)
     overlap_efficiency: float | None = None
     sources: tuple = ()
 
@@ -214,6 +236,13 @@ class DeviceProfile:
             curves[prec] = (_check_curve(f"precision_curves[{prec!r}][0]", pair[0]),
                             _check_curve(f"precision_curves[{prec!r}][1]", pair[1]))
         object.__setattr__(self, "precision_curves", curves)
+        create = {}
+        for prec, curve in self.gemm_create_s.items():
+            if prec not in self.peak_flops:
+                raise ValueError(f"{fn}: expected gemm_create_s for precisions of peak_flops "
+                                 f"{tuple(self.peak_flops)}, but got {prec!r}")
+            create[prec] = _check_seconds_curve(f"gemm_create_s[{prec!r}]", curve)
+        object.__setattr__(self, "gemm_create_s", create)
         object.__setattr__(self, "gemm_efficiency",
                            _check_curve("gemm_efficiency", self.gemm_efficiency))
         object.__setattr__(self, "wgrad_efficiency",
@@ -245,6 +274,13 @@ class DeviceProfile:
         curve = self.wgrad_efficiency if wgrad else self.gemm_efficiency
         mult = self.precision_efficiency.get(precision, 1.0)
         return self.peak_flops[precision] * mult * _interp(curve, max(rows, 1.0))
+
+    def gemm_create_time_s(self, precision: str, rows: float) -> float:
+        """Seconds to set up one GEMM call of a new shape with ``rows`` token rows (0 where the
+        profile has no ``gemm_create_s`` for ``precision``)."""
+        self.check_precision(precision)
+        curve = self.gemm_create_s.get(precision)
+        return _interp(curve, max(rows, 1.0)) if curve else 0.0
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

@@ -160,6 +160,13 @@ def expert_ffn_time(profile: DeviceProfile, precision: str, counts, dim: int, hi
     [F, D]`` per up-projection matrix, and the weight gradients ``[F, n] @ [n, D]`` (w2) and
     ``[D, n] @ [n, F]`` per up-projection matrix. The activation is always recomputed from
     the saved ``hidden`` (elementwise, not counted here); backward is twice the forward FLOPs.
+
+    Each pass also pays the profile's ``gemm_create_s`` once per distinct group size and GEMM
+    form (2 forms forward; ``dA``, ``dX``, its ``addmm_`` half and the two weight-gradient
+    forms backward, 5 gated): a library that prepares a kernel per shape (oneDNN's bf16
+    primitives on a CPU) finds none of a call's shapes prepared when the group sizes changed
+    since it last saw them, as they do every training step, or when other layers' shapes
+    filled its cache since. A size shared by several groups is prepared once.
     """
     _positive("dim", dim)
     _positive("hidden_dim", hidden_dim)
@@ -171,7 +178,19 @@ def expert_ffn_time(profile: DeviceProfile, precision: str, counts, dim: int, hi
              + ups * grouped_gemm_time_s(profile, precision, counts, D, F))  # dX = dH w^T
     wgrad = (grouped_gemm_time_s(profile, precision, counts, F, D, wgrad=True)  # act^T G
              + ups * grouped_gemm_time_s(profile, precision, counts, D, F, wgrad=True))
-    return ExpertFFNTime(up + down, dgrad, wgrad, up if recompute_up else 0.0)
+    # Set-up of the GEMM shapes this call issues (profile.gemm_create_s): one per distinct group
+    # size and GEMM form; gate and up (and the w1 and w3 gradients) share a form, the second
+    # dX half is an addmm_ of its own. Recomputed up projections reuse the forward's.
+    create = sum(profile.gemm_create_time_s(precision, m) for m in _distinct_sizes(counts))
+    fwd_forms, dgrad_forms, wgrad_forms = 2, (3 if gated else 2), 2
+    return ExpertFFNTime(up + down + fwd_forms * create, dgrad + dgrad_forms * create,
+                         wgrad + wgrad_forms * create, up if recompute_up else 0.0)
+
+
+def _distinct_sizes(counts) -> list[int]:
+    """The distinct row counts of the non-empty groups (expected counts rounded, at least 1):
+    each is a GEMM shape of its own, whichever expert has it."""
+    return sorted({max(1, round(c)) for c in as_counts(counts) if c > 0})
 
 
 def ffn_elementwise_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
