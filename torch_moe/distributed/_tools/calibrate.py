@@ -25,7 +25,9 @@ factor is fitted to a layer's measured time. What is measured, and the profile f
   (the expert op's forward and backward, the sort op): ``layer_overhead_s``;
 * the elementwise ATen kernels of an expert FFN (row gather, SwiGLU forward and backward,
   routing-weight scaling, scatter-add) block by block on fixed buffers, with ``torch.mm``
-  calls between them where an FFN has its GEMMs (timed apart): ``elementwise_bandwidth_Bps``;
+  calls between them where an FFN has its GEMMs (timed apart), at the calibration widths and
+  at the same widths swapped, solved for the rate of the kernels on model-width rows and that
+  of those on hidden-width rows: ``elementwise_bandwidth_Bps``, ``elementwise_hidden_Bps``;
 * ``copy_`` into an existing buffer: ``memory_bandwidth_Bps`` (read + write);
 * a fresh ``empty`` + ``fill_`` above glibc's 32 MiB mmap threshold (after ``malloc_trim``)
   against the same on a reused buffer: ``page_fault_s_per_byte``;
@@ -75,6 +77,7 @@ __all__ = [
     "measure_gemm_create_s",
     "measure_layer_overhead_s",
     "measure_ffn_elementwise_Bps",
+    "measure_ffn_elementwise_rates",
     "measure_copy_bandwidth_Bps",
     "measure_page_fault_s_per_byte",
     "measure_all_to_all",
@@ -485,6 +488,36 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     return (fwd + bwd) / elapsed
 
 
+def measure_ffn_elementwise_rates(dims=_FULL_DIMS, rows: int = 4096,
+                                  dtype: torch.dtype = torch.float32,
+                                  reps: int = 5) -> tuple[float, float]:
+    """``(dim_Bps, hidden_Bps)``: the rates of the elementwise kernels on rows of the model
+    width and on rows of the hidden width
+    (:func:`~torch_moe.distributed._tools.gemm_cost.ffn_elementwise_split_bytes`), from
+    :func:`measure_ffn_elementwise_Bps` at ``(D, F) = dims`` and at the swapped widths
+    ``(F, D)``: two timings whose bytes split differently between the two, solved for the
+    two rates. Where noise leaves no positive solution, both are the rate of the two runs
+    together."""
+    from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_split_bytes
+
+    act_bytes = torch.finfo(dtype).bits // 8
+    systems = []
+    for d, f in (dims, dims[::-1]):
+        rate = measure_ffn_elementwise_Bps(d, f, rows, dtype, reps)
+        (fwd_d, fwd_h), (bwd_d, bwd_h) = ffn_elementwise_split_bytes(rows, rows, d, f, True,
+                                                                     act_bytes)
+        dim_bytes, hidden_bytes = fwd_d + bwd_d, fwd_h + bwd_h
+        systems.append((dim_bytes, hidden_bytes, (dim_bytes + hidden_bytes) / rate))
+    (a1, b1, t1), (a2, b2, t2) = systems
+    # t = a / dim_Bps + b / hidden_Bps at both widths: Cramer's rule for the inverse rates
+    det = a1 * b2 - a2 * b1
+    inv_dim, inv_hidden = (t1 * b2 - t2 * b1) / det, (a1 * t2 - a2 * t1) / det
+    if inv_dim > 0 and inv_hidden > 0:
+        return 1.0 / inv_dim, 1.0 / inv_hidden
+    both = (a1 + b1 + a2 + b2) / (t1 + t2)
+    return both, both
+
+
 def measure_copy_bandwidth_Bps(nbytes: int = 64 * _MiB, reps: int = 5) -> float:
     """Bytes moved per second (read + write) by ``copy_`` between existing buffers."""
     _check_reps(reps)
@@ -669,6 +702,7 @@ def calibrate_local(quick: bool = False, group=None, name: str = "local-cpu") ->
     else:
         alpha, bw = REFERENCE_CPU.intra_node_latency_s, REFERENCE_CPU.intra_node_bandwidth_Bps
         overlap = None
+    ew_dim, ew_hidden = measure_ffn_elementwise_rates(dims, ew_rows, bf16_dtype, reps)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -689,7 +723,8 @@ def calibrate_local(quick: bool = False, group=None, name: str = "local-cpu") ->
         gemm_create_s={"bf16": tuple(create16), "fp32": tuple(create32)},
         gemm_call_s=0.0,
         per_group_s=measure_mm_call_s(reps, groups),
-        elementwise_bandwidth_Bps=measure_ffn_elementwise_Bps(*dims, ew_rows, bf16_dtype, reps),
+        elementwise_bandwidth_Bps=ew_dim,
+        elementwise_hidden_Bps=ew_hidden,
         layer_overhead_s=measure_layer_overhead_s(reps),
         fresh_alloc_threshold_bytes=32 * _MiB,
         page_fault_s_per_byte=measure_page_fault_s_per_byte(fault_bytes, reps),

@@ -378,8 +378,9 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
         # Elementwise kernels around the expert GEMMs (row gather, activation, weighting,
         # scatter-add; gemm_cost.ffn_elementwise_bytes) at their own rate, and the router's
         # softmax / top-k (read and write T x E fp32, twice as much in backward) streaming.
-        ffn_f, ffn_b = gemm_cost.ffn_elementwise_bytes(rows_c, Tc, D, f_local, layer.gated,
-                                                       act_b)
+        # (the hidden-width kernels at their own rate, everything else at elementwise_Bps)
+        (ffn_f, hid_f), (ffn_b, hid_b) = gemm_cost.ffn_elementwise_split_bytes(
+            rows_c, Tc, D, f_local, layer.gated, act_b)
         router_bytes = Tc * E * 8 / profile.memory_bandwidth_Bps
         if act_b != 4:
             # the fp32 router converts its input (read act_b, write 4 B per element) and
@@ -393,8 +394,9 @@ def moe_layer_cost(layer: MoELayerSpec, strategy: MoEStrategy, profile: DevicePr
             sent = Tc * traffic.copies * D * act_b
             ffn_f += 3 * sent + Tc * D * 4 * 2
             ffn_b += 3 * sent + Tc * D * 4 * 2
-        ew_f = ffn_f / profile.elementwise_Bps + router_bytes
-        ew_b = ffn_b / profile.elementwise_Bps + 2 * router_bytes
+        hidden_rate = profile.elementwise_hidden_rate_Bps
+        ew_f = ffn_f / profile.elementwise_Bps + hid_f / hidden_rate + router_bytes
+        ew_b = ffn_b / profile.elementwise_Bps + hid_b / hidden_rate + 2 * router_bytes
         # Fresh allocations (page faults on the CPU): forward's hidden and fp32 output
         # accumulator; backward's fp32 grad_x and the weight gradients, new on every call.
         alloc_f, alloc_b = gemm_cost.ffn_fresh_allocations(rows_c, Tc, D, f_local, E // ep,

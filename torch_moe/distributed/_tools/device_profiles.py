@@ -131,7 +131,12 @@ class DeviceProfile:
             gather, activation forward / backward, routing-weight scaling, scatter-add), in the
             bytes :func:`gemm_cost.ffn_elementwise_bytes` counts for them; ``None`` means
             ``memory_bandwidth_Bps`` (streaming kernels). On a CPU the activation's ``exp`` and
-            the scatter-add make these well slower than ``copy_``.
+            the scatter-add make these well slower than ``copy_``. With
+            ``elementwise_hidden_Bps`` set, this is the rate of the kernels on rows of the
+            model width ``D`` only (:func:`gemm_cost.ffn_elementwise_split_bytes`).
+        elementwise_hidden_Bps: achieved rate of the elementwise kernels on rows of the hidden
+            width (the activation forward and backward, the routing weights' gradient and
+            scaling); ``None`` means the rate above, for all.
         layer_overhead_s: fixed host cost of one MoE layer forward + backward outside its GEMMs
             and elementwise kernels (router, token sort, op dispatch, autograd); 0 on GPUs,
             where it overlaps with device work.
@@ -175,6 +180,7 @@ class DeviceProfile:
     gemm_call_s: float = 5e-6
     per_group_s: float = 0.0
     elementwise_bandwidth_Bps: float | None = None
+    elementwise_hidden_Bps: float | None = None
     layer_overhead_s: float = 0.0
     dispatch_row_s: float = 0.0
     fresh_alloc_threshold_bytes: float = math.inf
@@ -207,10 +213,11 @@ class DeviceProfile:
         if not self.fresh_alloc_threshold_bytes > 0:  # inf: no allocation is fresh
             raise ValueError(f"{fn}: expected fresh_alloc_threshold_bytes > 0, but got "
                              f"{self.fresh_alloc_threshold_bytes}")
-        if self.elementwise_bandwidth_Bps is not None and not (
-                0 < self.elementwise_bandwidth_Bps < math.inf):
-            raise ValueError(f"{fn}: expected elementwise_bandwidth_Bps to be finite and > 0, or "
-                             f"None, but got {self.elementwise_bandwidth_Bps}")
+        for attr in ("elementwise_bandwidth_Bps", "elementwise_hidden_Bps"):
+            value = getattr(self, attr)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{fn}: expected {attr} to be finite and > 0, or None, but "
+                                 f"got {value}")
         for attr in ("intra_node_latency_s", "inter_node_latency_s", "gemm_call_s",
                      "per_group_s", "layer_overhead_s", "dispatch_row_s",
                      "page_fault_s_per_byte"):
@@ -260,6 +267,12 @@ class DeviceProfile:
     def elementwise_Bps(self) -> float:
         """Rate of the expert FFN's elementwise kernels (see ``elementwise_bandwidth_Bps``)."""
         return self.elementwise_bandwidth_Bps or self.memory_bandwidth_Bps
+
+    @property
+    def elementwise_hidden_rate_Bps(self) -> float:
+        """Rate of the elementwise kernels on hidden-width rows (see
+        ``elementwise_hidden_Bps``)."""
+        return self.elementwise_hidden_Bps or self.elementwise_Bps
 
     def gemm_flops(self, precision: str, rows: float, wgrad: bool = False) -> float:
         """Achieved FLOP/s of one GEMM whose token dimension has ``rows`` rows."""

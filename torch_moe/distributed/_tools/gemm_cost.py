@@ -37,6 +37,7 @@ __all__ = [
     "expert_ffn_time",
     "element_bytes",
     "ffn_elementwise_bytes",
+    "ffn_elementwise_split_bytes",
     "ffn_fresh_allocations",
     "scale_bytes",
     "quantize_time_s",
@@ -197,16 +198,30 @@ def ffn_elementwise_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
                           gated: bool = True, act_bytes: int = 2) -> tuple[float, float]:
     """``(forward_bytes, backward_bytes)`` read + written by the elementwise kernels around the
     expert GEMMs of ``grouped_ffn`` (``torch_moe/_native/cpu.py``) for ``rows`` expert rows
-    from ``tokens`` tokens, with activations of ``act_bytes`` per element (``H = 2F`` gated).
+    from ``tokens`` tokens, with activations of ``act_bytes`` per element (``H = 2F`` gated):
+    the sums of :func:`ffn_elementwise_split_bytes`."""
+    (fwd_d, fwd_h), (bwd_d, bwd_h) = ffn_elementwise_split_bytes(rows, tokens, dim, hidden_dim,
+                                                                 gated, act_bytes)
+    return fwd_d + fwd_h, bwd_d + bwd_h
 
-    Forward: gather the rows' inputs (read + write ``D``), read ``H`` and write ``F`` for the
-    activation, scale the ``D`` outputs by the routing weight (read + write) and scatter-add
-    them (read ``D``) into the fp32 ``[T, D]`` accumulator (zero-filled, then read + write;
-    converted to the activations' dtype at the end when that is not fp32). Backward: gather
-    the output gradient (``2D``), recompute the activation (``H + F``), the routing-weight
-    gradient (read ``2F``), two weight scalings (``2F`` each), the activation's backward (read
-    ``F + H``, write ``H``), gather the inputs again (``2D``) and scatter-add the input
-    gradient (``D`` plus the ``[T, D]`` fp32 accumulator, as in forward)."""
+
+def ffn_elementwise_split_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
+                                gated: bool = True, act_bytes: int = 2):
+    """``((forward_dim, forward_hidden), (backward_dim, backward_hidden))``: the bytes of
+    :func:`ffn_elementwise_bytes` split between the kernels on rows of the model width ``D``
+    and those on rows of the hidden width (``F``, ``H``), which run at different rates on a
+    CPU (the activation's ``exp`` against gathers and adds; the profile's
+    ``elementwise_bandwidth_Bps`` and ``elementwise_hidden_Bps``).
+
+    Width ``D``, forward: gather the rows' inputs (read + write ``D``), scale the ``D`` outputs
+    by the routing weight (read + write) and scatter-add them (read ``D``) into the fp32
+    ``[T, D]`` accumulator (zero-filled, then read + write; converted to the activations'
+    dtype at the end when that is not fp32); backward: gather the output gradient (``2D``),
+    gather the inputs again (``2D``) and scatter-add the input gradient (``D`` plus the
+    ``[T, D]`` fp32 accumulator, as in forward). Hidden width, forward: read ``H`` and write
+    ``F`` for the activation; backward: recompute it (``H + F``), the routing-weight gradient
+    (read ``2F``), two weight scalings (``2F`` each), the activation's backward (read
+    ``F + H``, write ``H``)."""
     if not (rows >= 0 and tokens >= 0):
         raise ValueError(f"expected rows and tokens >= 0, but got {rows}, {tokens}")
     _positive("dim", dim)
@@ -216,9 +231,11 @@ def ffn_elementwise_bytes(rows: float, tokens: float, dim: int, hidden_dim: int,
     # the fp32 [T, D] accumulator: zero-filled (write), summed into (read + write) and, in a
     # layer of another dtype, converted to it (read 4 B, write act_bytes)
     acc = tokens * dim * (4 * 3 + ((4 + act_bytes) if act_bytes != 4 else 0))
-    fwd = rows * act_bytes * (2 * dim + h + f + 2 * dim + dim) + acc
-    bwd = rows * act_bytes * (2 * dim + h + f + 2 * f + 4 * f + f + 2 * h + 2 * dim + dim) + acc
-    return fwd, bwd
+    fwd_d = rows * act_bytes * (2 * dim + 2 * dim + dim) + acc
+    bwd_d = rows * act_bytes * (2 * dim + 2 * dim + dim) + acc
+    fwd_h = rows * act_bytes * (h + f)
+    bwd_h = rows * act_bytes * (h + f + 2 * f + 4 * f + f + 2 * h)
+    return (fwd_d, fwd_h), (bwd_d, bwd_h)
 
 
 def ffn_fresh_allocations(rows: float, tokens: float, dim: int, hidden_dim: int,
