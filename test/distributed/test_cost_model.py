@@ -227,6 +227,54 @@ class TestFormulas(TestCase):
                              dataclasses.replace(prof, peak_flops={"fp32": 1e12}), 10)
         self.assertAlmostEqual(two.host_s, 6e-3)
 
+    def test_hidden_width_elementwise_rate(self):
+        # the split: width D (gathers, scale, scatter-add, the [T, D] accumulator) and hidden
+        # width (activation, routing-weight gradient and scalings) sum to the totals
+        (fd, fh), (bd, bh) = gemm_cost.ffn_elementwise_split_bytes(10, 4, 8, 2, True, 4)
+        self.assertEqual((fh, bh), (10 * 4 * (4 + 2), 10 * 4 * (4 + 2 + 2 * 2 + 4 * 2 + 2 + 2 * 4)))
+        self.assertEqual((fd + fh, bd + bh), gemm_cost.ffn_elementwise_bytes(10, 4, 8, 2, True, 4))
+        # a layer charges the hidden-width bytes at elementwise_hidden_Bps, the rest at
+        # elementwise_bandwidth_Bps
+        layer = MoELayerSpec(dim=8, hidden_dim=2, num_experts=2, top_k=1)
+        prof = _toy_profile(elementwise_bandwidth_Bps=1e9, elementwise_hidden_Bps=2.5e8,
+                            peak_flops={"fp32": 1e12})
+        cost = moe_layer_cost(layer, MoEStrategy(ep=1, precision="fp32"), prof, 10)
+        (fd, fh), (bd, bh) = gemm_cost.ffn_elementwise_split_bytes(10, 10, 8, 2, True, 4)
+        router = 10 * 2 * 8 * 3 / 1e11
+        self.assertAlmostEqual(cost.elementwise_s, (fd + bd) / 1e9 + (fh + bh) / 2.5e8 + router)
+        with self.assertRaisesRegex(ValueError, "elementwise_hidden_Bps to be finite and > 0"):
+            _toy_profile(elementwise_hidden_Bps=0.0)
+
+    def test_gemm_set_up_per_distinct_shape(self):
+        # 1 ms to set up a bf16 GEMM shape at any rows (clamped curve), none for fp32
+        create = {"bf16": ((1, 1e-3), (100, 1e-3))}
+        peaks = {"bf16": 1e12, "fp32": 5e11}
+        prof = _toy_profile(gemm_tile_rows=1, gemm_create_s=create, peak_flops=peaks)
+        plain = _toy_profile(gemm_tile_rows=1, peak_flops=peaks)
+        # four groups, three distinct sizes (5 twice; 5.2 rounds to 5), and an empty group
+        counts = [5, 5.2, 7, 0, 9]
+        t = gemm_cost.expert_ffn_time(prof, "bf16", counts, 64, 32)
+        t0 = gemm_cost.expert_ffn_time(plain, "bf16", counts, 64, 32)
+        # gated: 2 forms forward (gate and up share one), dA, dX and its addmm_ half, and the
+        # two weight-gradient forms backward: 7 per distinct size
+        self.assertAlmostEqual(t.forward_s - t0.forward_s, 3 * 2 * 1e-3)
+        self.assertAlmostEqual(t.dgrad_s - t0.dgrad_s, 3 * 3 * 1e-3)
+        self.assertAlmostEqual(t.wgrad_s - t0.wgrad_s, 3 * 2 * 1e-3)
+        t_plain = gemm_cost.expert_ffn_time(prof, "bf16", counts, 64, 32, gated=False)
+        t0_plain = gemm_cost.expert_ffn_time(plain, "bf16", counts, 64, 32, gated=False)
+        self.assertAlmostEqual(t_plain.total_s - t0_plain.total_s, 3 * 6 * 1e-3)
+        # fp32 has no curve: nothing to set up
+        self.assertEqual(gemm_cost.expert_ffn_time(prof, "fp32", counts, 64, 32),
+                         gemm_cost.expert_ffn_time(plain, "fp32", counts, 64, 32))
+        self.assertEqual(prof.gemm_create_time_s("fp32", 5), 0.0)
+        self.assertEqual(DeviceProfile.from_json(prof.to_json()), prof)
+        with self.assertRaisesRegex(ValueError, "gemm_create_s for precisions of peak_flops"):
+            _toy_profile(gemm_create_s={"fp32": ((1, 1e-3),)})
+        with self.assertRaisesRegex(ValueError, "seconds of gemm_create_s.*finite and >= 0"):
+            _toy_profile(gemm_create_s={"bf16": ((1, -1e-3),)})
+        with self.assertRaisesRegex(ValueError, "strictly increasing rows"):
+            _toy_profile(gemm_create_s={"bf16": ((4, 1e-3), (2, 1e-3))})
+
     def test_all_to_all_alpha_beta(self):
         prof = _toy_profile()
         # both links at once; the slower (network: 2e-5 + 1e9 / 5e10) sets the time
@@ -605,6 +653,9 @@ class TestPlannerAndCalibration(TestCase):
         self.assertGreater(prof.per_group_s, 0)
         self.assertGreater(prof.layer_overhead_s, 0)
         self.assertGreaterEqual(prof.page_fault_s_per_byte, 0)
+        self.assertEqual(set(prof.gemm_create_s), {"bf16", "fp32"})
+        self.assertGreater(prof.elementwise_bandwidth_Bps, 0)
+        self.assertGreater(prof.elementwise_hidden_Bps, 0)
         self.assertIsNone(prof.overlap_efficiency)  # no process group: not measured
         self.assertEqual(prof.dispatch_row_s, 0.0)
         with tempfile.TemporaryDirectory() as d:

@@ -252,7 +252,8 @@ def _primitive_cache_capacity() -> int:
 
 
 def measure_gemm_create_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = torch.float32,
-                          reps: int = 5, batch: int = 8) -> list[tuple[int, float]]:
+                          reps: int = 5, batch: int = 8,
+                          fill_cache: bool = True) -> list[tuple[int, float]]:
     """``[(rows, seconds)]``: the extra seconds of the first ``torch.mm`` call of a shape over
     the same call repeated, the mean of the token-major form (``[rows, D] @ [D, F]``) and the
     weight-gradient form (``[D, rows] @ [rows, F]``, a transposed view). Each timing runs
@@ -261,8 +262,9 @@ def measure_gemm_create_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = 
     shape is new through its output: a column slice of a buffer whose row stride no earlier
     call used, which changes no arithmetic but is part of the key under which oneDNN caches
     its primitives. Outputs are zero-filled first, so the first call page-faults no more than
-    its repeat. The cache is filled before (:func:`_primitive_cache_capacity` new 3-row
-    shapes), so every new shape evicts one, as in a job whose group sizes change every step."""
+    its repeat. With ``fill_cache`` the cache is filled before (:func:`_primitive_cache_capacity`
+    new 3-row shapes), so every new shape evicts one, as in a job whose group sizes change
+    every step."""
     _check_reps(reps)
     if dim < 1 or hidden_dim < 1 or not rows or any(r < 1 for r in rows):
         raise ValueError(f"expected positive rows, dim and hidden_dim, but got rows={rows}, "
@@ -275,7 +277,7 @@ def measure_gemm_create_s(rows, dim: int, hidden_dim: int, dtype: torch.dtype = 
     grad = torch.randn(top, F, generator=g).to(dtype)
     # a long job keeps its primitive cache full (group sizes change every step), so each new
     # primitive also evicts and destroys one: fill the cache with 3-row shapes first
-    for _ in range(_primitive_cache_capacity() + 64):
+    for _ in range(_primitive_cache_capacity() + 64 if fill_cache else 0):
         pad = 16 * (1 + next(_fresh_strides[(dtype, D, F, "fill")]))
         torch.mm(x[:3], w, out=torch.empty(3, F + pad, dtype=dtype)[:, :F])
 
@@ -688,14 +690,16 @@ def calibrate_local(quick: bool = False, group=None, name: str = "local-cpu") ->
         copy_bytes, fault_bytes, groups, ew_rows, a2a_bytes = (64 * _MiB, 64 * _MiB, 256,
                                                                 6144, 4 * _MiB)
     bf16_dtype = gemm_compute_dtype(torch.bfloat16)
-    create_rows = _QUICK_ROWS if quick else _CREATE_ROWS
+    create_rows, create_batch = ((3,), 2) if quick else (_CREATE_ROWS, 8)
     peak32, fwd32, wgr32 = _curves(torch.float32, rows, dims, reps, work)
-    create32 = measure_gemm_create_s(create_rows, *dims, torch.float32, reps)
+    create32 = measure_gemm_create_s(create_rows, *dims, torch.float32, reps, create_batch,
+                                     fill_cache=not quick)
     if bf16_dtype == torch.float32:
         peak16, fwd16, wgr16, create16 = peak32, fwd32, wgr32, create32
     else:
         peak16, fwd16, wgr16 = _curves(bf16_dtype, rows, dims, reps, work)
-        create16 = measure_gemm_create_s(create_rows, *dims, bf16_dtype, reps)
+        create16 = measure_gemm_create_s(create_rows, *dims, bf16_dtype, reps, create_batch,
+                                         fill_cache=not quick)
     if group is not None:
         alpha, bw = measure_all_to_all(group, large_bytes=a2a_bytes, reps=reps)
         overlap = measure_overlap_efficiency(group, a2a_bytes, reps, dims)
