@@ -460,10 +460,13 @@ def main() -> None:
     def calibrated(when):
         with calibrate.timing(clock, statistic):
             p = calibrate.calibrate_local(quick=args.quick)
+        create = ", ".join(f"{r:.0f}: {t * 1e3:.2f}" for r, t in p.gemm_create_s["bf16"])
         print(f"calibration {when}: GEMM peak fp32 {p.peak_flops['fp32'] / 1e9:.0f}, bf16 "
-              f"{p.peak_flops['bf16'] / 1e9:.0f} GFLOP/s, copy "
-              f"{p.memory_bandwidth_Bps / 1e9:.1f} GB/s, elementwise "
-              f"{p.elementwise_Bps / 1e9:.1f} GB/s, per mm call {p.per_group_s * 1e6:.1f} us, "
+              f"{p.peak_flops['bf16'] / 1e9:.0f} GFLOP/s, bf16 GEMM set-up by rows ({create}) "
+              f"ms, copy {p.memory_bandwidth_Bps / 1e9:.1f} GB/s, elementwise "
+              f"{p.elementwise_Bps / 1e9:.1f} (hidden width "
+              f"{p.elementwise_hidden_rate_Bps / 1e9:.1f}) GB/s, per mm call "
+              f"{p.per_group_s * 1e6:.1f} us, "
               f"layer stand-in {p.layer_overhead_s * 1e3:.2f} ms, page faults "
               f"{p.page_fault_s_per_byte * 2**20 * 1e3:.2f} ms/MiB", flush=True)
         return p

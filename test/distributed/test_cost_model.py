@@ -725,6 +725,13 @@ class TestPlannerAndCalibration(TestCase):
         self.assertAlmostEqual(m.gemm_flops("bf16", 1024), 2e12)
         with self.assertRaisesRegex(ValueError, "same rows"):
             calibrate.average_profiles([a, _toy_profile(gemm_efficiency=((64, 0.5),))])
+        # GEMM set-up seconds are averaged point by point
+        c1 = _toy_profile(gemm_create_s={"bf16": ((3, 1e-3), (48, 2e-3))})
+        c2 = _toy_profile(gemm_create_s={"bf16": ((3, 3e-3), (48, 4e-3))})
+        self.assertEqual(calibrate.average_profiles([c1, c2]).gemm_create_s,
+                         {"bf16": ((3.0, 2e-3), (48.0, 3e-3))})
+        with self.assertRaisesRegex(ValueError, "gemm_create_s at the same rows"):
+            calibrate.average_profiles([c1, _toy_profile(gemm_create_s={"bf16": ((4, 1e-3),)})])
         with self.assertRaisesRegex(ValueError, "at least one"):
             calibrate.average_profiles([])
 

@@ -783,6 +783,14 @@ def average_profiles(profiles, name: str | None = None) -> DeviceProfile:
                     for i, (r, _) in enumerate(curve))
                     for j, curve in enumerate(pair))
                 for prec, pair in first.precision_curves.items()}
+        elif f.name == "gemm_create_s":
+            if any(set(v) != set(values[0]) or any(
+                    [r for r, _ in v[prec]] != [r for r, _ in values[0][prec]] for prec in v)
+                    for v in values):
+                raise ValueError("expected profiles with gemm_create_s at the same rows")
+            fields[f.name] = {prec: tuple((r, mean([v[prec][i][1] for v in values]))
+                                          for i, (r, _) in enumerate(curve))
+                              for prec, curve in values[0].items()}
         elif f.name == "overlap_efficiency":
             fields[f.name] = None if None in values else mean(values)
         elif f.name == "peak_flops":
