@@ -615,6 +615,9 @@ def main_expert_parallel(args) -> int:
             if rank == 0:
                 print(f"\n-- the same without replicas, EP={world_size}")
             runs.append(train_expert_parallel(args, P_VV, 0))
+        elif args.replicas and rank == 0:
+            print(f"\n(no run without replicas to compare with: {args.experts} experts do not "
+                  f"divide over {world_size} ranks)")
         loss_fell = all(_mean(h["losses"][-10:]) < h["losses"][0] for h in runs)
         same_losses = True
         if rank == 0:

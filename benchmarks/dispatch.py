@@ -181,18 +181,16 @@ def _nccl_rank(rank: int, world_size: int, port: int, reps: int, out_path: str) 
 
     import torch.distributed as dist
 
-    from torch_moe.distributed._compat import symm_mem_unavailable_reason
+    from torch_moe.distributed._compat import prepare_symm_mem
     from torch_moe.distributed.dispatch import expert_parallel_moe_ffn
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    symm_mem = symm_mem_unavailable_reason(device) is None
-    if symm_mem:
-        import torch.distributed._symmetric_memory as symm
-
-        if symm.get_backend(device) is None:
-            symm.set_backend("NVSHMEM")
+    symm_mem_reason = prepare_symm_mem(device, world_size)
+    if rank == 0 and symm_mem_reason is not None:
+        print(f"backend='symm_mem' not timed: {symm_mem_reason}", flush=True)
+    symm_mem = symm_mem_reason is None
     dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
     G, k, T, D, F = 8, 8, 4096, 2048, 1408
     E = G * world_size

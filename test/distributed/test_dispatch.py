@@ -611,7 +611,7 @@ class TestCapacityModeHasNoDataDependentShapes(_Base):
             fn = torch.compile(layer, fullgraph=True, backend=_static_graph)
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False,
                                         capture_scalar_outputs=False):
-            for _ in range(2):  # the second call finds the cached header rows
+            for _ in range(2):  # eagerly (rank 1), the second call finds the cached header rows
                 out = fn(x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts])
                 self.assertEqual(out, ref[mine], **TOL)
 

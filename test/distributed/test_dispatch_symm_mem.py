@@ -69,7 +69,12 @@ def _symm_empty(shape, dtype, device, group):
 
 
 def _all_to_all_vdev(inp, out, in_splits, out_splits_offsets, group):
-    """symm_mem::all_to_all_vdev's contract, over the process group."""
+    """symm_mem::all_to_all_vdev's contract, over the process group. The op passes a barrier
+    after writing the split sizes into its peers' buffers and none at its end: two exchanges
+    in a row on the same buffers race on a GPU, which is checked here."""
+    buffers = {t.data_ptr() for t in (inp, out, in_splits, out_splits_offsets)}
+    assert not buffers & _allocations.last_exchange, "two exchanges in a row on one buffer"
+    _allocations.last_exchange = buffers
     recv = torch.empty_like(in_splits)
     dist.all_to_all_single(recv, in_splits, group=group)
     send_list, recv_list = in_splits.tolist(), recv.tolist()
@@ -86,6 +91,7 @@ def _all_to_all_vdev(inp, out, in_splits, out_splits_offsets, group):
 class _Allocations(threading.local):
     def __init__(self):
         self.log = []
+        self.last_exchange = set()
 
 
 _allocations = _Allocations()
@@ -122,7 +128,7 @@ class TestSymmMemBackend(_Threads):
             mock.patch.multiple(_symm_mem_exchange, _BUFFERS=_Buffers(),
                                 symm_mem_empty=_symm_empty, all_to_all_vdev=_all_to_all_vdev),
             mock.patch.object(_dispatch_checks, "symm_mem_unavailable_reason",
-                              lambda device: None),
+                              lambda device, num_ranks: None),
         ]
         for p in self._patches:
             p.start()

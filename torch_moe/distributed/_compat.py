@@ -26,6 +26,7 @@ collectively and must be of the same size on every rank.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "wait_tensor",
     "object_collective_device",
     "symm_mem_unavailable_reason",
+    "prepare_symm_mem",
     "symm_mem_empty",
     "all_to_all_vdev",
 ]
@@ -98,11 +100,13 @@ def _symm_mem():
     return symm_mem
 
 
-def symm_mem_unavailable_reason(device: torch.device) -> Optional[str]:
-    """Why ``all_to_all_vdev`` cannot run on ``device``, or None when it can: it needs a CUDA
-    device, a torch built with NVSHMEM, and NVSHMEM as the symmetric-memory backend of the
-    device (``torch.distributed._symmetric_memory.set_backend("NVSHMEM")`` before the first
-    symmetric allocation)."""
+def symm_mem_unavailable_reason(device: torch.device, num_ranks: int) -> Optional[str]:
+    """Why ``all_to_all_vdev`` cannot run on ``device`` over ``num_ranks`` ranks, or None when
+    it can: it needs a CUDA device, a torch built with NVSHMEM, NVSHMEM as the symmetric-memory
+    backend of the device (``torch.distributed._symmetric_memory.set_backend("NVSHMEM")``
+    before the first symmetric allocation) and ``TORCH_SYMMMEM_NBLOCKS`` = ``num_ranks``: the
+    kernel splits every peer's bytes evenly over its blocks and asserts when they do not divide,
+    which for arbitrary row counts only one block per peer guarantees."""
     if device.type != "cuda":
         return f"it needs CUDA tensors, but got tensors on {device}"
     try:
@@ -118,7 +122,26 @@ def symm_mem_unavailable_reason(device: torch.device) -> Optional[str]:
         return (f"the symmetric-memory backend of {device} is {backend!r}; call "
                 "torch.distributed._symmetric_memory.set_backend('NVSHMEM') before the first "
                 "symmetric allocation")
+    blocks = os.environ.get("TORCH_SYMMMEM_NBLOCKS")
+    if blocks != str(num_ranks):
+        return (f"it needs TORCH_SYMMMEM_NBLOCKS={num_ranks} (one thread block per rank of the "
+                f"group, set before the first exchange), but got {blocks!r}: the kernel asserts "
+                "when a peer's bytes do not divide evenly over its blocks")
     return None
+
+
+def prepare_symm_mem(device: torch.device, num_ranks: int) -> Optional[str]:
+    """Sets up this process for ``backend="symm_mem"`` over groups of ``num_ranks`` ranks where
+    torch has NVSHMEM: NVSHMEM as the symmetric-memory backend, and ``TORCH_SYMMMEM_NBLOCKS``
+    (unless set already). Call it before the first symmetric allocation and exchange of the
+    process. Returns :func:`symm_mem_unavailable_reason` afterwards."""
+    if device.type == "cuda":
+        symm_mem = _symm_mem()
+        if symm_mem.is_nvshmem_available():
+            if symm_mem.get_backend(device) != "NVSHMEM":
+                symm_mem.set_backend("NVSHMEM")
+            os.environ.setdefault("TORCH_SYMMMEM_NBLOCKS", str(num_ranks))
+    return symm_mem_unavailable_reason(device, num_ranks)
 
 
 def symm_mem_empty(shape: tuple, dtype: torch.dtype, device: torch.device,

@@ -163,7 +163,7 @@ def _local_check_error(x, topk_ids, topk_weights, w1, w2, w3, *, num_experts, nu
         _check_options(activation, dedup, num_chunks, capacity_factor, alpha, limit, sync_free,
                        backend)
         if backend == "symm_mem":
-            reason = symm_mem_unavailable_reason(x.device)
+            reason = symm_mem_unavailable_reason(x.device, num_ranks)
             if reason is not None:
                 raise ValueError(f"{_FN}: backend='symm_mem' cannot run here: {reason}")
         _check_experts(w1, w2, w3, x, num_experts // num_ranks, activation)

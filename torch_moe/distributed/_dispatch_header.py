@@ -98,11 +98,6 @@ class _Layer:
         assignment, or with dedup one per token and destination), at least 1."""
         return max(1, num_tokens * (min(self.k, self.R) if self.dedup else self.k))
 
-    @property
-    def header_on_device(self) -> bool:
-        """Whether the header is checked on the device, without a host read."""
-        return self.sync_free or self.backend == "symm_mem"
-
 
 def _float_code(v: float) -> int:
     return struct.unpack("<q", struct.pack("<d", v))[0]
@@ -269,9 +264,9 @@ def _exchange_header(layer: _Layer, rows_per_dest: Tensor, id_flags: Tensor) -> 
 
 # The constant part of a header, keyed by its values: built once per device, so that a
 # steady-state call copies nothing from the host (a blocking host-to-device copy waits for the
-# device, and cannot be captured in a CUDA graph).
+# device, and cannot be captured in a CUDA graph). Entries are never dropped: a captured graph
+# reads its rows without holding a reference to them, and each is a few hundred bytes.
 _CONSTANT_ROWS_CACHE: dict = {}
-_CONSTANT_ROWS_CACHE_SIZE = 64
 
 
 def _constant_rows(values: tuple, R: int, device: torch.device) -> Tensor:
@@ -282,8 +277,6 @@ def _constant_rows(values: tuple, R: int, device: torch.device) -> Tensor:
     key = (values, R, device)
     rows = _CONSTANT_ROWS_CACHE.get(key)
     if rows is None:
-        if len(_CONSTANT_ROWS_CACHE) >= _CONSTANT_ROWS_CACHE_SIZE:
-            _CONSTANT_ROWS_CACHE.pop(next(iter(_CONSTANT_ROWS_CACHE)))
         rows = torch.tensor(values, dtype=torch.int64).to(device).expand(R, len(values))
         _CONSTANT_ROWS_CACHE[key] = rows
     return rows

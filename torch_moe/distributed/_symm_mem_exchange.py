@@ -9,21 +9,35 @@ price is that the receive buffer has a size fixed in advance, the most rows a ra
 receive; the rows past those received are masked to zero here (ids to the unused local expert,
 weights to zero), and their gradients never travel back.
 
-Buffers. ``all_to_all_vdev`` reads and writes symmetric-memory tensors only: allocated
-collectively with the same size on every rank and rendezvoused over the group. They are
-allocated on first use for a (group, role, shape, dtype, device) and reused by every later
-call: each exchange copies its input into its role's input buffer and its result out of the
-output buffer (the result is a tensor of its own, as the next exchange of the role overwrites
-the buffer). Reuse is safe because every ``all_to_all_vdev`` starts with a barrier of the
-group (the exchange of the split sizes) and the roles of one layer call follow each other in a
-fixed order (rows, ids, weights, then the results back; the backward the other way): a rank
-writes a role's input buffer again only after it passed a later exchange's barrier, which no
-peer reaches before it finished reading that buffer.
+Buffers. ``all_to_all_vdev`` reads and writes symmetric-memory tensors only, allocated
+collectively and rendezvoused over the group. They are allocated on first use for a (group,
+role, shape, dtype, device) and reused by every later call: each exchange copies its input into
+its role's input buffer and its result out of the output buffer (the result is a tensor of its
+own, as the next exchange of the role overwrites the buffer). A role is an exchange of one chunk
+of a layer call (the rows, ids and weights of chunk c, their results back, and the same
+backwards), so the exchanges of one call all have buffers of their own. That is what makes
+reuse safe: an ``all_to_all_vdev`` writes the split sizes into its peers' buffers, passes a
+barrier of the group, then pulls the rows from its peers' input buffers and ends without a
+barrier. So rank A may write a role's buffers again only once every peer has finished the
+role's previous exchange, which holds when another exchange's barrier lies between the two
+uses: no peer passes that barrier before it has finished the kernels queued before it. Two
+exchanges in a row on the same buffers, with no barrier between them, would race.
 
-Sizes must agree on every rank before a collective allocation. The dispatcher checks the
-header of every call on the device (the same signature and number of tokens everywhere);
-before allocating new buffers the first call of a shape waits for the device, so that a failed
-check ends the call (a device-side assertion) before the allocation rather than after.
+Requirements of the op, which the dispatcher checks (``symm_mem_unavailable_reason``):
+
+* NVSHMEM as the symmetric-memory backend of the device;
+* ``TORCH_SYMMMEM_NBLOCKS`` set to the group size ``R`` before the first exchange of the
+  process: torch's kernel splits every peer's bytes evenly over its thread blocks and asserts
+  on the device when they do not divide, which arbitrary row counts do not; with one block per
+  peer they always do.
+
+Sizes must agree on every rank before a collective allocation: NVSHMEM allocates over all the
+processes of the job, not only the group's, so every rank of the job must run the layer with
+the same number of tokens (pad otherwise). The dispatcher checks the header of every call on
+the device (the same signature and number of tokens in the group); before allocating new
+buffers the first call of a shape waits for the device, so that a failed check ends the call
+(a device-side assertion) before the allocation rather than after. Buffers are never freed: a
+new number of tokens allocates a new set, and pays that wait once.
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ def _buffer(group: dist.ProcessGroup, role: tuple, shape: tuple, dtype: torch.dt
 
 
 def _exchange(t_N: Tensor, send_R: Tensor, num_out: int, group: dist.ProcessGroup,
-              role: str, fill: int = 0) -> tuple[Tensor, Tensor]:
+              role: tuple, fill: int = 0) -> tuple[Tensor, Tensor]:
     """The rows of ``t_N [N, ...]``, packed in destination order with ``send_R [R]`` of them for
     every rank, to their ranks: ``(out [num_out, ...], recv_R [R])``, the rows from every source
     packed in rank order (``fill`` past ``recv_R.sum()``) and how many came from each."""
@@ -78,7 +92,7 @@ class _ExchangeRows(torch.autograd.Function):
     their sources: the same exchange with the received split sizes."""
 
     @staticmethod
-    def forward(ctx, t_N: Tensor, send_R: Tensor, num_out: int, group, role: str, fill: int):
+    def forward(ctx, t_N: Tensor, send_R: Tensor, num_out: int, group, role: tuple, fill: int):
         out, recv_R = _exchange(t_N, send_R, num_out, group, role, fill)
         ctx.save_for_backward(recv_R)
         ctx.num_in, ctx.group, ctx.role = t_N.size(0), group, role
@@ -89,17 +103,18 @@ class _ExchangeRows(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_recv):
         (recv_R,) = ctx.saved_tensors
         grad_in, _ = _exchange(grad_out.contiguous(), recv_R, ctx.num_in, ctx.group,
-                               ctx.role + ".grad")
+                               (*ctx.role, "grad"))
         return grad_in, None, None, None, None, None
 
 
 def exchange_rows(t_N: Tensor, send_R: Tensor, num_out: int, group: dist.ProcessGroup,
-                  role: str, fill: int = 0) -> tuple[Tensor, Tensor]:
+                  role: tuple, fill: int = 0) -> tuple[Tensor, Tensor]:
     """Sends the first ``send_R[d]`` rows after those of the ranks before ``d`` to rank ``d``
     (``t_N [N, ...]`` packed in destination order, ``send_R [R]`` int64 on its device):
     ``(out [num_out, ...], recv_R [R] int64)``, the rows received from every source packed in
     rank order and ``fill`` after them, and how many came from each. Differentiable in ``t_N``:
     the gradient of each received row goes back to the row it came from. ``role`` names the
-    exchange's buffers (see the module docstring); ``num_out`` must bound the rows any rank
-    can receive, and every size must be the same on every rank."""
+    exchange's buffers, distinct for the exchanges of a call (see the module docstring);
+    ``num_out`` must bound the rows any rank can receive, and every size must be the same on
+    every rank."""
     return _ExchangeRows.apply(t_N.contiguous(), send_R, num_out, group, role, fill)

@@ -754,7 +754,9 @@ def atomic_checkpoint(checkpoint_dir: CheckpointId, step: int, *,
                          f"not one")
     if code == _EXISTS:
         raise ValueError(f"{fn}: expected no checkpoint of step {step} in {path!r}, but "
-                         f"{final!r} exists")
+                         f"{final!r} exists (a committed checkpoint is never written twice; an "
+                         f"entry of that name without {_METADATA} was not committed by "
+                         "atomic_checkpoint and is not loaded: remove it)")
     if code == _OS_ERROR:
         raise RuntimeError(_os_error(fn, f"prepare {path!r} for step {step}")) from error
     staging = f"{final}.tmp-{suffix:012x}"

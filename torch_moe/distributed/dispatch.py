@@ -87,8 +87,12 @@ local experts skip, and the results go back with the received split sizes. The e
 in the current stream, one after another (the receive buffers are reused by the next call), so
 ``num_chunks > 1`` splits the work but does not overlap it. Dropless only: capacity mode has
 static split sizes, which the default backend exchanges without a host read
-(``sync_free=True``). Call ``torch.distributed._symmetric_memory.set_backend("NVSHMEM")``
-before the first symmetric allocation of the process.
+(``sync_free=True``). Before the first symmetric allocation of the process, NVSHMEM must be
+the symmetric-memory backend and ``TORCH_SYMMMEM_NBLOCKS`` the group size
+(``torch_moe.distributed._compat.prepare_symm_mem`` does both; the module docstring of
+:mod:`~torch_moe.distributed._symm_mem_exchange` says why), and since NVSHMEM allocates over
+every process of the job, every rank of the job must run the layer with the same number of
+tokens.
 
 Streams. With the default backend the exchanges are functional collectives: on NCCL they run
 on the process group's communication stream, which waits for the work queued before them on
@@ -349,7 +353,7 @@ def _pack(topk_ids: Tensor, topk_weights: Tensor, plan: _RowPlan, layer: _Layer,
                         kept_per_dest, dropped)
 
 
-def _send_rows(x_chunk: Tensor, buffers: _SendBuffers, layer: _Layer) -> _Received:
+def _send_rows(x_chunk: Tensor, buffers: _SendBuffers, layer: _Layer, chunk: int) -> _Received:
     """Starts the exchange of one chunk: its rows (differentiable), local expert ids and
     routing weights (differentiable), with functional all-to-alls that run in the
     background, or with ``backend="symm_mem"`` exchanges in the current stream whose split
@@ -357,11 +361,11 @@ def _send_rows(x_chunk: Tensor, buffers: _SendBuffers, layer: _Layer) -> _Receiv
     sp, group = buffers.splits, layer.group
     rows = x_chunk.index_select(0, buffers.token_N)
     if isinstance(sp, _DeviceSplits):
-        rows_MD, sp.recv = exchange_rows(rows, sp.send, sp.num_recv, group, "rows")
-        ids_MW, _ = exchange_rows(buffers.ids_NW, sp.send, sp.num_recv, group, "ids",
+        rows_MD, sp.recv = exchange_rows(rows, sp.send, sp.num_recv, group, ("rows", chunk))
+        ids_MW, _ = exchange_rows(buffers.ids_NW, sp.send, sp.num_recv, group, ("ids", chunk),
                                   fill=layer.G)
         weights_MW, _ = exchange_rows(buffers.weights_NW, sp.send, sp.num_recv, group,
-                                      "weights")
+                                      ("weights", chunk))
         return _Received(rows_MD, ids_MW, weights_MW)
     return _Received(
         all_to_all_single_autograd(rows, sp.recv, sp.send, group),
@@ -401,7 +405,7 @@ class _LocalExperts(NamedTuple):
 
 
 def _compute_experts(received: _Received, splits: _Splits, experts: _LocalExperts,
-                     layer: _Layer) -> _Computed:
+                     layer: _Layer, chunk: int) -> _Computed:
     """Waits for a chunk's ids, runs the local experts on its rows with the travelling weights
     (``k = W``; the unused id ``G`` sorts past the last group and is skipped) and starts the
     results back to their sources: the reverse of the chunk's exchange."""
@@ -411,15 +415,15 @@ def _compute_experts(received: _Received, splits: _Splits, experts: _LocalExpert
     out, _ = torch.ops.torch_moe.grouped_ffn(
         received.rows_MD, sorted_ids, offs[:G], received.weights_MW, *experts,
         layer.activation, layer.alpha, layer.limit)
-    return _Computed(_send_back(out, splits, layer), ids, counts[:G])
+    return _Computed(_send_back(out, splits, layer, chunk), ids, counts[:G])
 
 
-def _send_back(out_MD: Tensor, splits, layer: _Layer) -> Tensor:
+def _send_back(out_MD: Tensor, splits, layer: _Layer, chunk: int) -> Tensor:
     """Starts the weighted expert sums ``out_MD [M, D]`` of one received chunk back to their
     sources: ``[N, D]`` in the order of the sources' send buffers (the reverse exchange)."""
     if isinstance(splits, _DeviceSplits):
         return exchange_rows(out_MD, splits.recv, splits.num_send, layer.group,
-                             "combine")[0]
+                             ("combine", chunk))[0]
     return all_to_all_single_autograd(out_MD, splits.send, splits.recv, layer.group)
 
 
@@ -528,9 +532,9 @@ def expert_parallel_moe_ffn(
             backend (NCCL, gloo, ...); ``"symm_mem"``, ``symm_mem::all_to_all_vdev`` on CUDA
             with NVSHMEM: the exact mode without a host read (see "Symmetric memory").
 
-    Every argument but the tokens and their routing (``T`` may differ) must agree on every
-    rank; the ranks compare their signatures first and all raise the same ``ValueError``
-    when they do not. Arguments that fail the local checks on some ranks make every rank raise
+    Every argument but the tokens and their routing (``T`` may differ, but with ``sync_free``
+    or ``backend="symm_mem"``) must agree on every rank; the ranks compare their signatures
+    first and all raise the same ``ValueError`` when they do not. Arguments that fail the local checks on some ranks make every rank raise
     (see the module's "Argument errors"); only the errors of ``group`` itself are raised on the
     calling rank alone.
 
@@ -573,7 +577,7 @@ class _Dispatched(NamedTuple):
 
     x: Tensor  # [T, D], the tokens (their dtype and device are the output's)
     layer: _Layer
-    splits: list[_Splits]  # per chunk, host-known
+    splits: list  # per chunk: _Splits (host-known), or _DeviceSplits with symm_mem
     buffers: list[_SendBuffers]  # per chunk
     received: list[_Received]  # per chunk, possibly in flight
 
@@ -583,8 +587,8 @@ def _start_exchange(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layer: _L
     """Step 3: every chunk's send buffers, and its rows started towards their experts."""
     buffers = [_pack(topk_ids[s:e], topk_weights[s:e], p, layer, sp)
                for (s, e), p, sp in zip(layer.spans, plan.chunks, splits)]
-    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer)
-                for (s, e), buf in zip(layer.spans, buffers)]
+    received = [_send_rows(_chunk_tokens(x, s, e), buf, layer, c)
+                for c, ((s, e), buf) in enumerate(zip(layer.spans, buffers))]
     return _Dispatched(x, layer, splits, buffers, received)
 
 
@@ -599,8 +603,8 @@ def _dispatch_compute_combine(x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
     dispatched = _start_exchange(x, topk_ids, topk_weights, layer, plan, splits)
     # 4. expert compute, chunk by chunk, each result sent back at once: with several chunks
     # the exchanges of one overlap the expert compute of another
-    computed = [_compute_experts(r, sp, experts, layer)
-                for r, sp in zip(dispatched.received, splits)]
+    computed = [_compute_experts(r, sp, experts, layer, c)
+                for c, (r, sp) in enumerate(zip(dispatched.received, splits))]
     # 5. combine
     y = _combine(x, layer, dispatched.buffers, [c.returning_ND for c in computed])
     load_G = sum(c.load_G for c in computed)
@@ -651,7 +655,8 @@ def _combine_rows(dispatched: _Dispatched, out_MD: Tensor, ids_MW: Tensor,
     x, layer, splits, buffers = dispatched.x, dispatched.layer, dispatched.splits, \
         dispatched.buffers
     sizes = [sp.num_recv for sp in splits]
-    returning = [_send_back(out, sp, layer) for out, sp in zip(out_MD.split(sizes), splits)]
+    returning = [_send_back(out, sp, layer, c)
+                 for c, (out, sp) in enumerate(zip(out_MD.split(sizes), splits))]
     y = _combine(x, layer, buffers, returning)
     counts = _call_counts(layer, buffers, list(ids_MW.split(sizes)), load_G)
     _record_traffic(layer, splits, counts, x.device)

@@ -98,18 +98,26 @@ class Placement:
     rank_of_phys: Tensor
     num_ranks: int
     slots_per_rank: int
-    # device -> (num_replicas, logical_to_phys) on that device, for route_to_replicas
-    _routing_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (name, device) -> tensors derived from the tables, on that device (see _on_device)
+    _device_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def _tables_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _on_device(self, name: str, device: torch.device, make) -> tuple:
+        """``make()``'s CPU tensors, which depend on the placement only, on ``device``: copied
+        once per placement and device (a blocking copy to a GPU on every call would wait for
+        it). ``name`` tells apart what different callers derive."""
         if torch.compiler.is_compiling():
             # a traced graph holds them as constants; the cache would only add guards on it
-            return self.num_replicas.to(device), self.logical_to_phys.to(device)
-        tables = self._routing_tables.get(device)
+            return tuple(t.to(device) for t in make())
+        key = (name, device)
+        tables = self._device_tables.get(key)
         if tables is None:
-            tables = self._routing_tables[device] = (self.num_replicas.to(device),
-                                                     self.logical_to_phys.to(device))
+            tables = self._device_tables[key] = tuple(t.to(device) for t in make())
         return tables
+
+    def _tables_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(num_replicas, logical_to_phys)`` on ``device``, for :func:`route_to_replicas`."""
+        return self._on_device("routing", device,
+                               lambda: (self.num_replicas, self.logical_to_phys))
 
     @property
     def num_logical(self) -> int:

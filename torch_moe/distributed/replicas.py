@@ -197,17 +197,22 @@ def reduce_replica_grads_(modules: Union[nn.Module, Iterable[nn.Module]]) -> Non
         num_multi = int(multi_E.sum())
         if num_multi == 0:
             continue
-        row_of_E = torch.cumsum(multi_E, 0) - 1  # buffer row of each replicated expert
-        local = layout.local_experts()
-        slots = multi_E[local].nonzero().flatten()  # local slots of replicated experts
-        rows = row_of_E[local[slots]]
+
+        def slots_and_rows():
+            row_of_E = torch.cumsum(multi_E, 0) - 1  # buffer row of each replicated expert
+            local = layout.local_experts()
+            slots = multi_E[local].nonzero().flatten()  # local slots of replicated experts
+            return slots, row_of_E[local[slots]]
+
         for name, p in _weights(experts).items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = _check_physical(fn, f"the gradient of {name}", p.grad, layout)
+            slots, rows = placement._on_device(("reduce", layout.rank), grad.device,
+                                               slots_and_rows)
             key = (id(layout.group), grad.dtype, grad.device)
             bucket = buckets.setdefault(key, [layout.group, []])
-            bucket[1].append((grad, slots.to(grad.device), rows.to(grad.device), num_multi))
+            bucket[1].append((grad, slots, rows, num_multi))
     for group, entries in buckets.values():
         sizes = [n * g[0].numel() for g, _, _, n in entries]
         grad0 = entries[0][0]
@@ -252,7 +257,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             if p.grad is None:
                 continue
             g_SX = _check_physical(fn, f"the gradient of {name}", p.grad, layout)
-            copies = layout.placement.num_replicas[layout.local_experts()].to(g_SX.device)
+            copies, = layout.placement._on_device(
+                ("copies", layout.rank), g_SX.device,
+                lambda: (layout.placement.num_replicas[layout.local_experts()],))
             slot_norms = torch.linalg.vector_norm(g_SX.flatten(1).float(), norm_type, dim=1)
             local = slot_norms.max() if inf else (slot_norms.pow(norm_type) / copies).sum()
             dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
