@@ -20,7 +20,12 @@ slowed; on an idle one they are the wall time and the median. Router skew comes 
 router's bias, ``-s * log(1 + rank)`` of a random expert order, plus logits of standard
 deviation ~1.28 from its weights (close to Gumbel noise, for which top-1 picks expert ``e``
 with probability ``~ rank^-s``). Timed in interleaved rounds between two calibrations that are
-averaged; predicted from the per-expert counts the layer routed. Saved bytes: the storages
+averaged; predicted from the per-expert counts the layer routed. The bf16 GEMMs run on oneDNN,
+which builds a primitive per GEMM shape into an LRU cache of 1024: the bf16 layers of one round
+build several thousand, so every layer call finds none of its own left from the round before
+and builds one per distinct group size and GEMM form, as the model charges (a training step,
+whose routing changes every step, does the same; one layer repeated alone on the same routing
+would find them all cached). Saved bytes: the storages
 autograd saves (``saved_tensors_hooks``, each once) plus the input, against
 ``activation_bytes``.
 
@@ -35,7 +40,7 @@ ratio of the two, measured and predicted, checks the pipeline term (the profile'
 Error = predicted / measured - 1; the summary gives the median, 90th percentile and maximum of
 its absolute value.
 
-    python benchmarks/cost_model_validation.py            # ~8 minutes on 2 idle cores
+    python benchmarks/cost_model_validation.py            # ~6 minutes on 2 idle cores
     python benchmarks/cost_model_validation.py --quick    # a few configurations, ~1.5 minutes
 
 Writes ``results/cost_model_validation.csv`` (one row per configuration: measured, predicted,
