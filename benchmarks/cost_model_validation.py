@@ -22,7 +22,7 @@ deviation ~1.28 from its weights (close to Gumbel noise, for which top-1 picks e
 with probability ``~ rank^-s``). Timed in interleaved rounds between two calibrations that are
 averaged; predicted from the per-expert counts the layer routed. The bf16 GEMMs run on oneDNN,
 which builds a primitive per GEMM shape into an LRU cache of 1024: the bf16 layers of one round
-build several thousand, so every layer call finds none of its own left from the round before
+build about 2300, so every layer call finds none of its own left from the round before
 and builds one per distinct group size and GEMM form, as the model charges (a training step,
 whose routing changes every step, does the same; one layer repeated alone on the same routing
 would find them all cached). Saved bytes: the storages
