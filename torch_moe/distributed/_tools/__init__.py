@@ -4,7 +4,8 @@
 * ``device_profiles``: peak and achieved performance of H100, H200, B200, MI300X and of the
   local CPU, with sources.
 * ``gemm_cost``: grouped expert GEMMs from per-expert token counts (tile quantisation,
-  efficiency curves), quantize kernels, page faults of fresh host allocations.
+  efficiency curves, the set-up of each distinct GEMM shape), elementwise bytes at model and
+  hidden width, quantize kernels, page faults of fresh host allocations.
 * ``comm_cost``: all-to-all traffic of plain / dedup / node-limited dispatch and alpha-beta
   times over intra- and inter-node links; ring collectives of FSDP / ZeRO.
 * ``memory_cost``: model states by sharding, saved activations by recompute and precision.
@@ -12,8 +13,9 @@
 * ``planner``: whole models (DeepSeek-V3, Mixtral 8x7B presets), strategies ranked by predicted
   step time under the memory limit, with a breakdown table.
 * ``calibrate``: measure the local machine into a profile from microbenchmarks only (``torch.mm``
-  curves, per-call and per-layer stand-ins, elementwise ATen kernels, copy bandwidth, page
-  faults, gloo all-to-all and its overlap with GEMMs), at shapes disjoint from the validated ones.
+  curves and the set-up of a new GEMM shape, per-call and per-layer stand-ins, elementwise ATen
+  kernels, copy bandwidth, page faults, gloo all-to-all and its overlap with GEMMs), at shapes
+  disjoint from the validated ones.
 
 ``benchmarks/cost_model_validation.py`` checks the model out of sample against torch_moe on the
 local machine (a fixed held-out set); ``benchmarks/sparsity_sweep.py`` sweeps one layer shape.
