@@ -84,8 +84,9 @@ on every rank, the same signature). The buffers have sizes fixed by bounds: a ch
 receives at most ``R * T_c * k`` (with dedup ``R * T_c``), which is what every rank allocates;
 the received rows past those of the call hold the unused id ``G`` and zero weights, which the
 local experts skip, and the results go back with the received split sizes. The exchanges run
-in the current stream, one after another (the receive buffers are reused by the next call), so
-``num_chunks > 1`` splits the work but does not overlap it. Dropless only: capacity mode has
+in the current stream, one after another (each exchange of a call, chunk by chunk, has buffers
+of its own, which the next call reuses), so ``num_chunks > 1`` splits the work but does not
+overlap it. Dropless only: capacity mode has
 static split sizes, which the default backend exchanges without a host read
 (``sync_free=True``). Before the first symmetric allocation of the process, NVSHMEM must be
 the symmetric-memory backend and ``TORCH_SYMMMEM_NBLOCKS`` the group size
@@ -125,7 +126,9 @@ of its message. Every rank then raises the type of the lowest failing rank (``Va
 ``TypeError``): a failing rank with its own message, every other rank with one that names the
 failing ranks and carries their messages (at most 1000 characters each), which one more
 all-to-all brings them on this error path only. When every rank fails, each raises its own
-message, as a single process would. Raised on the calling rank alone, before any collective,
+message, as a single process would. With ``sync_free`` or ``backend="symm_mem"``, which read
+no header on the host, the ranks that passed raise the ``RuntimeError`` of the device check
+instead, and no message is exchanged. Raised on the calling rank alone, before any collective,
 are the errors of the group itself: ``group=None`` without a default process group, a ``group``
 that is not a ``ProcessGroup``, a process that is not a member of ``group``. The header of a
 failing rank is on the device of its ``x``, or on the group's default device
