@@ -100,7 +100,25 @@ def measure(num_tokens: int, num_experts: int, k: int, num_ranks: int, seed: int
 OVERLAP_VARIANTS = [(c, d) for d in (False, True) for c in (1, 2, 4)]
 
 
-def _overlap_rank(rank: int, port: int, reps: int, out_path: str) -> None:
+def _spawn(rank_fn, world_size: int, args: tuple) -> list[dict]:
+    """Runs ``rank_fn(rank, world_size, port, out_path, *args)`` in ``world_size`` processes on
+    a free local port; returns the rows rank 0 wrote to ``out_path`` (JSON)."""
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.spawn(rank_fn, args=(world_size, port, out, *args), nprocs=world_size)
+        return json.loads(Path(out).read_text())
+
+
+def _overlap_rank(rank: int, world_size: int, port: int, out_path: str, reps: int) -> None:
     import os
     import statistics
     import time
@@ -111,7 +129,7 @@ def _overlap_rank(rank: int, port: int, reps: int, out_path: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     E, k, T, D, F = 8, 2, 2048, 512, 512
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, D, generator=g).requires_grad_()
@@ -146,20 +164,8 @@ def _overlap_rank(rank: int, port: int, reps: int, out_path: str) -> None:
 
 
 def overlap_main(reps: int, csv_path: str) -> None:
-    import json
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     print("\n".join(environment_header()))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.spawn(_overlap_rank, args=(port, reps, out), nprocs=2)
-        rows = json.loads(Path(out).read_text())
+    rows = _spawn(_overlap_rank, 2, (reps,))
     print("expert_parallel_moe_ffn forward + backward, 2 gloo processes, fp32, rank 0 medians:")
     print(format_table(rows, list(rows[0])))
     write_csv(csv_path, rows)
@@ -174,7 +180,7 @@ def _nccl_variants(symm_mem: bool) -> list[dict]:
     return variants
 
 
-def _nccl_rank(rank: int, world_size: int, port: int, reps: int, out_path: str) -> None:
+def _nccl_rank(rank: int, world_size: int, port: int, out_path: str, reps: int) -> None:
     import json
     import os
     import statistics
@@ -229,26 +235,15 @@ def _nccl_rank(rank: int, world_size: int, port: int, reps: int, out_path: str) 
 
 
 def nccl_main(reps: int, csv_path: str) -> None:
-    import json
-    import socket
-    import tempfile
-
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     world_size = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if world_size < 2 or not dist.is_nccl_available():
         raise SystemExit(f"dispatch.py --nccl: needs at least 2 CUDA devices and NCCL, but this "
                          f"machine has {world_size} device(s) and NCCL "
                          f"{'available' if dist.is_nccl_available() else 'not available'}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     print("\n".join(environment_header()))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.spawn(_nccl_rank, args=(world_size, port, reps, out), nprocs=world_size)
-        rows = json.loads(Path(out).read_text())
+    rows = _spawn(_nccl_rank, world_size, (reps,))
     print(f"expert_parallel_moe_ffn forward + backward, {world_size} NCCL ranks, bf16, slowest "
           "rank's median:")
     print(format_table(rows, list(rows[0])))
