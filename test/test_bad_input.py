@@ -275,7 +275,7 @@ class TestBadInput(TestCase):
             "grouped_ffn": lambda: ops.grouped_ffn(x, sorted_ids, offs, tw, w1, w2, None),
             "grouped_ffn_backward": lambda: ops.grouped_ffn_backward(
                 out, x, sorted_ids, offs, tw, w1, w2, None, hidden, "swiglu", 1.702, 7.0,
-                [True] * 5),
+                [True] * 8),
         }
         messages = {name: self.message(call) for name, call in calls.items()}
         self.assertExpectedInline("\n".join(f"{n}: {m}" for n, m in messages.items()), """\
@@ -299,7 +299,7 @@ grouped_ffn_backward: torch_moe.grouped_ffn_backward: expected each assignment t
             conv, (x, tw, w1, w2, sorted_ids, offs, hidden, input, weight))
         ffn = lambda grad, w1_, w2_, hidden_: ops.grouped_ffn_backward(
             grad, x, sorted_ids, offs, tw, w1_, w2_, None, hidden_, "swiglu", 1.702, 7.0,
-            [True] * 5)
+            [True] * 8)
         return {
             "grouped_ffn_backward_w2_rows": lambda: ffn(x, w1, w2[:, :2], hidden),
             "grouped_ffn_backward_w1_width": lambda: ffn(x, w1[:, :, :4], w2, hidden),
@@ -332,7 +332,7 @@ grouped_ffn_backward_w2_rows: torch_moe.grouped_ffn_backward: expected w1.size(2
 grouped_ffn_backward_w1_width: torch_moe.grouped_ffn_backward: expected w1.size(2) == 2 * w2.size(1) for a fused gate/up weight (6), but got 4
 grouped_ffn_backward_grad_shape: torch_moe.grouped_ffn_backward: expected grad to have the shape of x (3, 4), but got (2, 4)
 grouped_ffn_backward_hidden_width: torch_moe.grouped_ffn_backward: expected hidden.size(1) == the width of the pre-activations (6), but got 3
-grouped_ffn_backward_mask_length: torch_moe.grouped_ffn_backward: expected output_mask of length 5 (one flag for each of grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3), but got length 3
+grouped_ffn_backward_mask_length: torch_moe.grouped_ffn_backward: expected output_mask of length 8 (one flag for each of grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3), but got length 3
 indexed_grouped_mm_backward_weight: torch_moe.indexed_grouped_mm_backward: expected weight.size(1) == input.size(1) (4), but got 3
 indexed_grouped_mm_backward_grad: torch_moe.indexed_grouped_mm_backward: expected grad.size(1) == weight.size(2) (5), but got 3
 unpermute_backward_grad: torch_moe.unpermute_backward: expected grad.size(1) == y.size(1) (4), but got 5
@@ -406,9 +406,10 @@ class TestNoRows(TestCase):
         self.assertEqual(out, torch.zeros(0, D), atol=0, rtol=0)
         self.assertEqual(hidden, torch.zeros(4, 2 * F), atol=0, rtol=0)
         grads = ops.grouped_ffn_backward(torch.randn(0, D), x, sorted_ids, offs, tw, w1, w2, None,
-                                         hidden, "swiglu", 1.702, 7.0, [True] * 5)
+                                         hidden, "swiglu", 1.702, 7.0, [True] * 8)
         expected = (torch.zeros(0, D), torch.zeros(0, 2), torch.zeros(E, D, 2 * F),
-                    torch.zeros(E, F, D), torch.zeros(0))
+                    torch.zeros(E, F, D), torch.zeros(0), torch.zeros(0), torch.zeros(0),
+                    torch.zeros(0))
         for got, exp in zip(grads, expected):
             self.assertEqual(got, exp, atol=0, rtol=0)
 

@@ -114,34 +114,33 @@ def _indexed_backward(ctx, grad):
     )
 
 
-# grouped_ffn: saves x, the routing, the weights and `hidden`; the activation is recomputed.
+# grouped_ffn: saves x, the routing, the weights, the biases and `hidden` (which includes the
+# biases); the activation is recomputed.
 def _grouped_ffn_setup(ctx, inputs, output):
-    x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit = inputs
+    x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit, b1, b2, b3 = inputs
     _, hidden = output
     ctx.mark_non_differentiable(hidden)
-    ctx.save_for_backward(x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden)
+    ctx.save_for_backward(x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, b1, b2, b3)
     ctx.activation, ctx.alpha, ctx.limit = activation, alpha, limit
 
 
 @_register("grouped_ffn", _grouped_ffn_setup)
 def _grouped_ffn_backward(ctx, grad, _grad_hidden):
-    x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden = ctx.saved_tensors
+    x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, b1, b2, b3 = ctx.saved_tensors
     need = ctx.needs_input_grad
-    # frozen experts (weights without requires_grad) skip their weight-gradient GEMMs
-    mask = [need[0], need[3], need[4], need[5], w3 is not None and need[6]]
-    grad_x, grad_topk, grad_w1, grad_w2, grad_w3 = ops.grouped_ffn_backward(
+    # frozen experts (weights without requires_grad) skip their weight-gradient GEMMs, frozen
+    # biases their row sums
+    mask = [need[0], need[3], need[4], need[5], w3 is not None and need[6],
+            b1 is not None and need[10], b2 is not None and need[11],
+            b3 is not None and need[12]]
+    grads = ops.grouped_ffn_backward(
         grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, ctx.activation, ctx.alpha,
-        ctx.limit, mask,
+        ctx.limit, mask, b1, b2, b3,
+    )
+    grad_x, grad_topk, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3 = (
+        g if want else None for g, want in zip(grads, mask)
     )
     return (
-        grad_x if mask[0] else None,
-        None,
-        None,
-        grad_topk if mask[1] else None,
-        grad_w1 if mask[2] else None,
-        grad_w2 if mask[3] else None,
-        grad_w3 if mask[4] else None,
-        None,
-        None,
-        None,
+        grad_x, None, None, grad_topk, grad_w1, grad_w2, grad_w3, None, None, None,
+        grad_b1, grad_b2, grad_b3,
     )

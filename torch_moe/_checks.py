@@ -298,10 +298,13 @@ def check_indexed_grouped_mm_backward(
 
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu")
+# the outputs of grouped_ffn_backward, one output_mask flag each
+GROUPED_FFN_GRADIENTS = ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "grad_w3",
+                         "grad_b1", "grad_b2", "grad_b3")
 
 
 def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
-                      op: str = "torch_moe.grouped_ffn"):
+                      op: str = "torch_moe.grouped_ffn", *, b1=None, b2=None, b3=None):
     """Returns (E, F): the number of experts and the FFN dim."""
     torch._check(
         activation in ACTIVATIONS,
@@ -342,14 +345,42 @@ def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
         check_size(op, "w1", w1, 2, 2 * F, "2 * w2.size(1) for a fused gate/up weight")
     else:
         check_size(op, "w1", w1, 2, F, "the FFN dim w2.size(1)")
+    check_ffn_biases(op, w1, w3, b1, b2, b3, E, F, D, gated)
     return E, F
 
 
+def check_ffn_biases(op: str, w1, w3, b1, b2, b3, E: int, F: int, D: int, gated: bool) -> None:
+    """The optional expert biases of grouped_ffn: b1 ``[E, F]`` (``[E, 2F]`` with a fused w13),
+    b3 ``[E, F]`` (with a separate w3 only), b2 ``[E, D]``, each in the dtype and on the device
+    of the weights; any strides."""
+    fused = gated and w3 is None
+    torch._check(
+        b3 is None or w3 is not None,
+        lambda: f"{op}: b3 is the bias of the up projection w3, but w3 is None"
+        + (" (the bias of a fused gate/up weight is b1 [E, 2F])" if fused else ""),
+    )
+    width, what = (2 * F, "2F") if fused else (F, "F")
+    expected = {"b1": ((E, width), f"[E, {what}]"), "b2": ((E, D), "[E, D]"),
+                "b3": ((E, F), "[E, F]")}
+    for name, b in (("b1", b1), ("b2", b2), ("b3", b3)):
+        if b is None:
+            continue
+        shape, dims = expected[name]
+        check_dim(op, name, b, 2)
+        torch._check(
+            tuple(b.shape) == shape,
+            lambda: f"{op}: expected {name} of shape {dims} = {shape}, but got {tuple(b.shape)}",
+        )
+    check_same_dtype(op, {"w1": w1, "b1": b1, "b2": b2, "b3": b3})
+    check_same_device(op, {"w1": w1, "b1": b1, "b2": b2, "b3": b3})
+
+
 def check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
-                               activation, output_mask):
+                               activation, output_mask, *, b1=None, b2=None, b3=None):
     """Returns (E, F): the number of experts and the FFN dim."""
     op = "torch_moe.grouped_ffn_backward"
-    E, F = check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, op)
+    E, F = check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, op,
+                             b1=b1, b2=b2, b3=b3)
     check_same_shape(op, "grad", grad, "x", x)
     check_dim(op, "hidden", hidden, 2)
     check_same_dtype(op, {"x": x, "grad": grad, "hidden": hidden})
@@ -357,7 +388,5 @@ def check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, 
     width = 2 * F if activation in GATED_ACTIVATIONS else F
     check_size(op, "hidden", hidden, 0, sorted_ids.size(0), "sorted_ids.size(0)")
     check_size(op, "hidden", hidden, 1, width, "the width of the pre-activations")
-    check_output_mask(
-        op, output_mask, ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "grad_w3")
-    )
+    check_output_mask(op, output_mask, GROUPED_FFN_GRADIENTS)
     return E, F

@@ -96,22 +96,31 @@ def indexed_grouped_mm_backward_meta(
 
 @_register("grouped_ffn")
 def grouped_ffn_meta(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
-                     alpha=1.702, limit=7.0):
-    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+                     alpha=1.702, limit=7.0, b1=None, b2=None, b3=None):
+    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
+                                     b1=b1, b2=b2, b3=b3)
     width = 2 * F if activation in _checks.GATED_ACTIVATIONS else F
     return x.new_empty(x.shape), x.new_empty((sorted_ids.size(0), width))
 
 
+def _optional_grad_like(t, wanted: bool, like: torch.Tensor) -> torch.Tensor:
+    """The gradient of an optional input ``t``; an empty tensor (of ``like``) where it is None."""
+    return _grad_like(t, wanted) if t is not None else like.new_empty((0,))
+
+
 @_register("grouped_ffn_backward")
 def grouped_ffn_backward_meta(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
-                              activation, alpha, limit, output_mask):
+                              activation, alpha, limit, output_mask, b1=None, b2=None, b3=None):
     _checks.check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden,
-                                       activation, output_mask)
-    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
+                                       activation, output_mask, b1=b1, b2=b2, b3=b3)
+    want_x, want_topk, want_w1, want_w2, want_w3, want_b1, want_b2, want_b3 = output_mask
     return (
         _grad_like(x, want_x),
         _grad_like(topk_weights, want_topk),
         _grad_like(w1, want_w1),
         _grad_like(w2, want_w2),
-        _grad_like(w3, want_w3) if w3 is not None else w1.new_empty((0,)),
+        _optional_grad_like(w3, want_w3, w1),
+        _optional_grad_like(b1, want_b1, w1),
+        _optional_grad_like(b2, want_b2, w1),
+        _optional_grad_like(b3, want_b3, w1),
     )

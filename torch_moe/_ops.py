@@ -72,19 +72,26 @@ lib.define(
 )
 
 # The expert FFN of an MoE layer over tokens grouped by token_sort, fused end to end:
-#   out[t] = sum_j topk_weights[t, j] * act(x[t] @ w1[e], x[t] @ w3[e]) @ w2[e],  e = expert of (t, j)
+#   out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w1[e] + b1[e], x[t] @ w3[e] + b3[e]) @ w2[e]
+#                                       + b2[e]),  e = expert of (t, j)
 # w1 [E, D, F] (gate), w3 [E, D, F] (up), w2 [E, F, D]; or w1 = w13 [E, D, 2F] with w3 = None.
-# `hidden` [S, 2F] (gated) or [S, F] holds the pre-activation values saved for backward.
+# The expert biases are optional, each on its own: b1 [E, F] ([E, 2F] with a fused w13),
+# b3 [E, F] (with a separate w3 only), b2 [E, D]; the routing weight scales the down bias too
+# (gpt-oss). `hidden` [S, 2F] (gated) or [S, F] holds the pre-activation values, biases
+# included, saved for backward.
 lib.define(
     "grouped_ffn(Tensor x, Tensor sorted_ids, Tensor offs, Tensor topk_weights, Tensor w1, "
-    "Tensor w2, Tensor? w3, str activation='swiglu', float alpha=1.702, float limit=7.0) "
-    "-> (Tensor out, Tensor hidden)",
+    "Tensor w2, Tensor? w3, str activation='swiglu', float alpha=1.702, float limit=7.0, "
+    "Tensor? b1=None, Tensor? b2=None, Tensor? b3=None) -> (Tensor out, Tensor hidden)",
     tags=_PT2,
 )
+# output_mask entries 5..7 are the biases; an absent bias gets an empty gradient.
 lib.define(
     "grouped_ffn_backward(Tensor grad, Tensor x, Tensor sorted_ids, Tensor offs, "
     "Tensor topk_weights, Tensor w1, Tensor w2, Tensor? w3, Tensor hidden, str activation, "
-    "float alpha, float limit, bool[5] output_mask) "
-    "-> (Tensor grad_x, Tensor grad_topk_weights, Tensor grad_w1, Tensor grad_w2, Tensor grad_w3)",
+    "float alpha, float limit, bool[8] output_mask, Tensor? b1=None, Tensor? b2=None, "
+    "Tensor? b3=None) "
+    "-> (Tensor grad_x, Tensor grad_topk_weights, Tensor grad_w1, Tensor grad_w2, Tensor grad_w3, "
+    "Tensor grad_b1, Tensor grad_b2, Tensor grad_b3)",
     tags=_PT2,
 )

@@ -44,7 +44,9 @@ GATED = ("swiglu", "geglu", "swiglu_oai")
 ACTIVATIONS = GATED + ("gelu", "relu")
 # a limit that the pre-activations cross on both sides, so the clamps of swiglu_oai engage
 ALPHA, LIMIT = 1.702, 1.25
-FULL_MASK = [True] * 5
+FULL_MASK = [True] * 8
+# no gradients of the (absent) expert biases: output_mask entries 5..7
+NO_BIASES = [False] * 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,11 +318,11 @@ def _check_backward_masks() -> None:
     cfg = _small_config()
     g = torch.Generator().manual_seed(4)
     masks = (
-        [True, False, False, False, False],
-        [False, True, False, False, False],
-        [False, False, True, True, True],
-        [False, False, False, True, False],
-        [True, True, False, False, True],
+        [True, False, False, False, False] + NO_BIASES,
+        [False, True, False, False, False] + NO_BIASES,
+        [False, False, True, True, True] + NO_BIASES,
+        [False, False, False, True, False] + NO_BIASES,
+        [True, True, False, False, True] + NO_BIASES,
     )
     for kind, num_tokens, k in ROUTINGS:
         routing = _routing(kind, num_tokens, k, E, g)
@@ -506,8 +508,8 @@ def _check_fake_cuda() -> None:
                 assert a.shape == b.shape and a.dtype == b.dtype, name
                 assert a.stride() == b.stride() and a.device == b.device, name
             assert hidden.shape == (S, H), name
-            for mask in (FULL_MASK, [True, False, True, False, True], [False, True, False, True,
-                                                                       False]):
+            for mask in (FULL_MASK, [True, False, True, False, True] + NO_BIASES,
+                         [False, True, False, True, False] + NO_BIASES):
                 bwd = (grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden, activation, ALPHA,
                        LIMIT, mask)
                 got = cuda_kernel("grouped_ffn_backward")(*bwd)
@@ -702,7 +704,7 @@ class TestTritonGroupedFFNDevice(TestCase):
                 args = self._problem(device, activation, layout, dtype)
                 hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
                 grad = torch.randn_like(args[0])
-                for mask in (FULL_MASK, [False, True, False, True, False]):
+                for mask in (FULL_MASK, [False, True, False, True, False] + NO_BIASES):
                     for in_order in (False, True):
                         what = f"{activation} {layout} {dtype} {mask} det={in_order}"
                         with deterministic() if in_order else contextlib.nullcontext():

@@ -644,7 +644,7 @@ def _grouped_ffn_specs():
     ]
 
 
-def _ffn_backward(grad=None, hidden=None, mask=(True,) * 5, **kw):
+def _ffn_backward(grad=None, hidden=None, mask=(True,) * 8, **kw):
     args = _ffn(**kw)
     x, sid, offs, tw, w1, w2, w3, act = args
     if hidden is None:
@@ -676,9 +676,9 @@ def _grouped_ffn_backward_specs():
          ("offs.size(0)", f"w1.size(0) ({E - 1})", str(E))),
         ("w1_dtype", lambda: fn(*_ffn_backward(w1=torch.randn(E, D, 2 * F, dtype=torch.float64))),
          ("w1", "torch.float32", "torch.float64")),
-        ("mask_length", lambda: fn(*_ffn_backward(mask=(True,) * 4)),
-         ("output_mask", "length 5", "length 4")),
-        ("unknown_activation", lambda: fn(*_ffn_backward()[:9], "silu", 1.702, 7.0, [True] * 5),
+        ("mask_length", lambda: fn(*_ffn_backward(mask=(True,) * 5)),
+         ("output_mask", "length 8", "length 5")),
+        ("unknown_activation", lambda: fn(*_ffn_backward()[:9], "silu", 1.702, 7.0, [True] * 8),
          ("activation", "'swiglu'", "'silu'")),
         ("duplicate_assignment", lambda: fn(*_ffn_backward(sorted_ids=_ids(0, 5, 5, 1, 2, 3, 4, 7))),
          ("sorted_ids", "at most once", "assignment 5 appears 2 times")),
@@ -691,18 +691,18 @@ def _grouped_ffn_backward_specs():
             x=torch.randn(0, D), tw=torch.rand(0, K), sorted_ids=torch.full((6,), -1),
             offs=_i32(2, 4, 6))),
          _expect_all(_expect((0, D)), _expect((0, K)), _expect((E, D, 2 * F), zero=True),
-                     _expect((E, F, D), zero=True), _expect((0,)))),
-        ("nothing_requested", lambda: fn(*_ffn_backward(mask=(False,) * 5)),
-         _expect_all(*[_expect((0,))] * 5)),
-        ("frozen_experts", lambda: fn(*_ffn_backward(mask=(True, True, False, False, False))),
+                     _expect((E, F, D), zero=True), *[_expect((0,))] * 4)),
+        ("nothing_requested", lambda: fn(*_ffn_backward(mask=(False,) * 8)),
+         _expect_all(*[_expect((0,))] * 8)),
+        ("frozen_experts", lambda: fn(*_ffn_backward(mask=(True, True) + (False,) * 6)),
          _expect_all(_expect((T, D), finite=True), _expect((T, K), finite=True),
-                     *[_expect((0,))] * 3)),
+                     *[_expect((0,))] * 6)),
         ("grad_nan_on_dropped_token", lambda: fn(*_ffn_backward(
             grad=torch.randn(T, D).index_fill(0, _ids(3), NAN),
             sorted_ids=_routing()[0].masked_fill(_routing()[0] // K == 3, -1))),
          _expect_all(_expect((T, D), finite=True), _expect((T, K), finite=True),
                      _expect((E, D, 2 * F), finite=True), _expect((E, F, D), finite=True),
-                     _expect((0,)))),
+                     *[_expect((0,))] * 4)),
     ]
 
 

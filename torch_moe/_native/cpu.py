@@ -597,9 +597,11 @@ def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
 
 
 def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
-                alpha=1.702, limit=7.0):
+                alpha=1.702, limit=7.0, b1=None, b2=None, b3=None):
     op = "torch_moe.grouped_ffn"
-    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
+                                     b1=b1, b2=b2, b3=b3)
+    _no_biases_yet(op, b1, b2, b3)
     bounds, last, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
     gated = activation in _checks.GATED_ACTIVATIONS
     D = x.size(1)
@@ -643,11 +645,12 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
 
 
 def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation,
-                         alpha, limit, output_mask):
+                         alpha, limit, output_mask, b1=None, b2=None, b3=None):
     op = "torch_moe.grouped_ffn_backward"
     _, F = _checks.check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3,
-                                              hidden, activation, output_mask)
-    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
+                                              hidden, activation, output_mask, b1=b1, b2=b2, b3=b3)
+    _no_biases_yet(op, b1, b2, b3)
+    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask[:5]
     want_w3 = want_w3 and w3 is not None
     # dA = G @ w2^T feeds grad_topk and dH; dH feeds grad_x, grad_w1 and grad_w3; the activation
     # act(h) feeds grad_topk and grad_w2. Nothing an unrequested gradient alone needs is computed.
@@ -713,7 +716,15 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
         grad_w1 if want_w1 else _empty_output(w1),
         grad_w2 if want_w2 else _empty_output(w2),
         grad_w3 if want_w3 else _empty_output(w3 if w3 is not None else w1),
+        _empty_output(w1),
+        _empty_output(w1),
+        _empty_output(w1),
     )
+
+
+def _no_biases_yet(op, b1, b2, b3):
+    if b1 is not None or b2 is not None or b3 is not None:
+        raise NotImplementedError(f"{op}: the CPU kernel does not take expert biases yet")
 
 
 def _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs, grad_w1, grad_w3,

@@ -513,6 +513,9 @@ def grouped_ffn(
     activation: str = "swiglu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    b3: Optional[Tensor] = None,
     *,
     config: Optional[GemmConfig] = None,
 ) -> tuple[Tensor, Tensor]:
@@ -526,7 +529,9 @@ def grouped_ffn(
     Returns:
         ``(out [T, D], hidden [S, H])``, contiguous, in the dtype of x.
     """
-    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation)
+    _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
+                                     b1=b1, b2=b2, b3=b3)
+    _check_no_biases("torch_moe.grouped_ffn", b1, b2, b3)
     # the kernels read the 1-D operands with unit stride
     sorted_ids, offs = sorted_ids.contiguous(), offs.contiguous()
     _check_routing("torch_moe.grouped_ffn", sorted_ids, offs, topk_weights.numel())
@@ -590,21 +595,27 @@ def grouped_ffn_backward(
     alpha: float,
     limit: float,
     output_mask: list[bool],
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    b3: Optional[Tensor] = None,
     *,
     config: Optional[GemmConfig] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``torch_moe::grouped_ffn_backward`` with the Triton kernels (see :func:`grouped_ffn`).
 
     Returns:
-        ``(grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)``, each empty ``[0]`` where
-        ``output_mask`` is False; grad_w3 is empty with a fused w13 (whose gradient is grad_w1).
+        ``(grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3)``,
+        each empty ``[0]`` where ``output_mask`` is False; grad_w3 is empty with a fused w13
+        (whose gradient is grad_w1), and the bias gradients without biases.
     """
     _, F = _checks.check_grouped_ffn_backward(
-        grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, output_mask
+        grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, output_mask,
+        b1=b1, b2=b2, b3=b3,
     )
+    _check_no_biases("torch_moe.grouped_ffn_backward", b1, b2, b3)
     sorted_ids, offs = sorted_ids.contiguous(), offs.contiguous()
     _check_routing("torch_moe.grouped_ffn_backward", sorted_ids, offs, topk_weights.numel())
-    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask
+    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask[:5]
     want_w3 = want_w3 and w3 is not None
     want_dH = want_x or want_w1 or want_w3
     want_dA = want_topk or want_dH
@@ -689,7 +700,16 @@ def grouped_ffn_backward(
     if want_x:
         terms = [(d, w.transpose(1, 2)) for d, w in dH_parts]
         grad_x = _scatter_rows_sum(terms, offs, token, None, T, D, x.dtype, config)
-    return grad_x, grad_topk, grad_w1, grad_w2, grad_w3
+    no_b1, no_b2, no_b3 = (w1.new_empty((0,)) for _ in range(3))
+    return grad_x, grad_topk, grad_w1, grad_w2, grad_w3, no_b1, no_b2, no_b3
+
+
+def _check_no_biases(op: str, b1, b2, b3) -> None:
+    # not silently dropped: a bias changes hidden, which the kernels' epilogues write
+    if b1 is not None or b2 is not None or b3 is not None:
+        raise NotImplementedError(
+            f"{op}: the Triton kernels do not take the expert biases b1, b2, b3 yet"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -709,9 +729,13 @@ def _triton_grouped_ffn(
     activation: str = "swiglu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    b3: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     # Also the fake kernel (triton_op traces the body), so it must not read tensor values.
-    return grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit)
+    return grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit,
+                       b1, b2, b3)
 
 
 @triton_op("torch_moe::_triton_grouped_ffn_backward", mutates_args=())
@@ -729,10 +753,13 @@ def _triton_grouped_ffn_backward(
     alpha: float,
     limit: float,
     output_mask: list[bool],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    b3: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return grouped_ffn_backward(
         grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, alpha, limit,
-        output_mask,
+        output_mask, b1, b2, b3,
     )
 
 

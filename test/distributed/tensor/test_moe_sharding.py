@@ -341,18 +341,18 @@ def _samples() -> dict:
         "grouped_ffn_backward",
         Sample("grouped_ffn_backward[swiglu,w1+w3]", ops.grouped_ffn_backward.default,
                (g_td, x, sorted_ids, offs, tw, w1, w2, w3, hid, "swiglu", 1.702, 7.0,
-                [True] * 5),
+                [True] * 8),
                ties={2: 3, 7: 5}, extra_in={5: [SS2], 6: [SS1], 7: [SS2], 8: [SS1]},
                extra_out={2: [SS2], 3: [SS1], 4: [SS2]}, max_sharded=3,
                partial_avg=False, world_sizes=(2,)),
         Sample("grouped_ffn_backward[swiglu,w13]", ops.grouped_ffn_backward.default,
                (g_td, x, sorted_ids, offs, tw, w13, w2, None, hid13, "swiglu", 1.702, 7.0,
-                [True] * 5),
+                [True] * 8),
                ties={2: 3}, extra_in={5: [SS2], 6: [SS1], 7: [SS1]}, extra_out={2: [SS2]},
                max_sharded=3, partial_avg=False, world_sizes=(2,)),
         Sample("grouped_ffn_backward[relu]", ops.grouped_ffn_backward.default,
                (g_td, x, sorted_ids, offs, tw, w1, w2, None, hid_relu, "relu", 1.702, 7.0,
-                [True] * 5),
+                [True] * 8),
                ties={2: 3}, max_sharded=3, partial_avg=False, world_sizes=(2,)),
     )
 
@@ -1086,18 +1086,18 @@ indexed_grouped_mm_backward[sorted]: R, P, P, R -> P, P, *""")
 
     def test_grouped_ffn_backward(self):
         self.assertExpectedInline(self._check("grouped_ffn_backward"), """\
-grouped_ffn_backward[relu]: R, P, R, R, R, P, R, R -> P, R, P, R, *
-grouped_ffn_backward[relu]: R, P, R, R, R, R, R, R -> R, R, P, R, *
-grouped_ffn_backward[relu]: R, R, R, R, R, P, R, R -> P, R, R, R, *
-grouped_ffn_backward[relu]: R, R, R, R, R, R, P, R -> P, P, P, R, *
-grouped_ffn_backward[swiglu,w1+w3]: R, P, R, R, R, P, R, P, R -> P, R, P, R, P
-grouped_ffn_backward[swiglu,w1+w3]: R, P, R, R, R, R, R, R, R -> R, R, P, R, P
-grouped_ffn_backward[swiglu,w1+w3]: R, R, R, R, R, P, R, P, R -> P, R, R, R, R
-grouped_ffn_backward[swiglu,w1+w3]: R, R, R, R, R, R, P, R, R -> P, P, P, R, P
-grouped_ffn_backward[swiglu,w13]: R, P, R, R, R, P, R, R -> P, R, P, R, *
-grouped_ffn_backward[swiglu,w13]: R, P, R, R, R, R, R, R -> R, R, P, R, *
-grouped_ffn_backward[swiglu,w13]: R, R, R, R, R, P, R, R -> P, R, R, R, *
-grouped_ffn_backward[swiglu,w13]: R, R, R, R, R, R, P, R -> P, P, P, R, *""")
+grouped_ffn_backward[relu]: R, P, R, R, R, P, R, R -> P, R, P, R, *, *, *, *
+grouped_ffn_backward[relu]: R, P, R, R, R, R, R, R -> R, R, P, R, *, *, *, *
+grouped_ffn_backward[relu]: R, R, R, R, R, P, R, R -> P, R, R, R, *, *, *, *
+grouped_ffn_backward[relu]: R, R, R, R, R, R, P, R -> P, P, P, R, *, *, *, *
+grouped_ffn_backward[swiglu,w1+w3]: R, P, R, R, R, P, R, P, R -> P, R, P, R, P, *, *, *
+grouped_ffn_backward[swiglu,w1+w3]: R, P, R, R, R, R, R, R, R -> R, R, P, R, P, *, *, *
+grouped_ffn_backward[swiglu,w1+w3]: R, R, R, R, R, P, R, P, R -> P, R, R, R, R, *, *, *
+grouped_ffn_backward[swiglu,w1+w3]: R, R, R, R, R, R, P, R, R -> P, P, P, R, P, *, *, *
+grouped_ffn_backward[swiglu,w13]: R, P, R, R, R, P, R, R -> P, R, P, R, *, *, *, *
+grouped_ffn_backward[swiglu,w13]: R, P, R, R, R, R, R, R -> R, R, P, R, *, *, *, *
+grouped_ffn_backward[swiglu,w13]: R, R, R, R, R, P, R, R -> P, R, R, R, *, *, *, *
+grouped_ffn_backward[swiglu,w13]: R, R, R, R, R, R, P, R -> P, P, P, R, *, *, *, *""")
         self._assert_no_wrong()
 
     def test_quantize_mxfp8(self):

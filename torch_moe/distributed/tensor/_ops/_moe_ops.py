@@ -208,6 +208,8 @@ def grouped_ffn_strategy(op, args, kwargs):
     # (out [T, D], hidden [S, *]) <- x, sorted_ids, offs, topk_weights, w1, w2, w3?
     x, sorted_ids, offs, topk_weights, w1, w2, w3, activation = (list(args) + [None] * 8)[:8]
     activation = activation or kwargs.get("activation", "swiglu")
+    if _has_biases(args, kwargs, 10):
+        return []  # expert biases: Replicate only, so far
     has_w3 = w3 is not None
     gated = activation in GATED_ACTIVATIONS
     n_w = 3 if has_w3 else 2
@@ -226,16 +228,27 @@ def grouped_ffn_strategy(op, args, kwargs):
 def grouped_ffn_backward_strategy(op, args, kwargs):
     # (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)
     #   <- grad, x, sorted_ids, offs, topk_weights, w1, w2, w3?, hidden
+    # (the bias gradients follow, empty without biases)
     (grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation) = (
         list(args) + [None] * 10
     )[:10]
+    if _has_biases(args, kwargs, 13):
+        return []  # expert biases: Replicate only, so far
     has_w3 = w3 is not None
     gated = activation in GATED_ACTIVATIONS
     weights = _ffn_weight_f_shards(activation, has_w3)
     grad_w3 = weights[2] if has_w3 else R  # an empty tensor when there is no w3
     n_w = 3 if has_w3 else 2
+    no_bias = [R, R, R]
     return _masked([
-        [P, P, weights[0], weights[1], grad_w3, R, R, R, R, R, *weights, _hidden_f_shard(gated)],
-        [P, P, P, P, P if has_w3 else R, P, R, R, R, R, *([R] * n_w), R],
-        [P, R, P, P, P if has_w3 else R, R, R, R, R, P, *([R] * n_w), R],
+        [P, P, weights[0], weights[1], grad_w3, *no_bias, R, R, R, R, R, *weights,
+         _hidden_f_shard(gated)],
+        [P, P, P, P, P if has_w3 else R, *no_bias, P, R, R, R, R, *([R] * n_w), R],
+        [P, R, P, P, P if has_w3 else R, *no_bias, R, R, R, R, P, *([R] * n_w), R],
     ], _output_mask(args, kwargs, 12))
+
+
+def _has_biases(args, kwargs, first: int) -> bool:
+    """Whether grouped_ffn(_backward) gets any of b1, b2, b3 (from argument ``first`` on)."""
+    given = list(args[first:]) + [kwargs.get(n) for n in ("b1", "b2", "b3")]
+    return any(b is not None for b in given)
