@@ -6,7 +6,8 @@ Importing the package registers the ``torch.ops.torch_moe`` operator library: sc
 ops (:mod:`torch_moe.quantization`); and, lazily, the Inductor lowerings
 (:mod:`torch_moe._inductor`), the DTensor sharding strategies (:mod:`torch_moe.distributed.tensor`)
 and the DTensor handlers of ``moe_ffn`` / ``MoE``
-(:mod:`torch_moe.distributed.tensor._token_parallel`).
+(:mod:`torch_moe.distributed.tensor._token_parallel`); and torchtitan's override of its MoE layer
+(:mod:`torch_moe.nn._torchtitan`).
 """
 
 from torch_moe import _ops  # noqa: F401  (defines the schemas first)
@@ -42,6 +43,13 @@ def _register_dtensor_support() -> None:
 
 
 call_after_import("torch.distributed.tensor", _register_dtensor_support)
+
+# torchtitan's config overrides: torch_moe's forward of torchtitan's MoE registers (as
+# "torch_moe.nn._torchtitan.torch_moe") once torchtitan's MoE module is imported, never importing
+# torchtitan itself.
+from torch_moe.nn._torchtitan import install_torchtitan_converter  # noqa: E402
+
+install_torchtitan_converter()
 
 __all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn", "quantization"]
 __version__ = "0.1.0"
