@@ -391,6 +391,73 @@ class TestCompile(TestCase):
         self.assertEqual(got, (y.detach(), x.grad, moe.router.weight.grad))
 
 
+
+class TestRouterDtype(TestCase):
+    """``router_dtype`` keeps the router's parameters (and gradients) in their dtype through
+    ``module.to``, unrounded; without it they follow the module."""
+
+    def _moe(self, **kw):
+        torch.manual_seed(0)
+        return MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, router_bias=True, **kw))
+
+    def test_kept_through_to(self):
+        moe = self._moe(router_dtype=torch.float32)
+        w = moe.router.weight.detach().clone()
+        moe(torch.randn(5, 16)).sum().backward()
+        g = moe.router.weight.grad.clone()
+        moe.to(torch.bfloat16)
+        self.assertEqual(moe.experts.w1.dtype, torch.bfloat16)
+        for p in (moe.router.weight, moe.router.bias, moe.router.weight.grad):
+            self.assertEqual(p.dtype, torch.float32)
+        # restored from the unconverted tensors: bit-exact, not rounded through bf16
+        self.assertEqual(moe.router.weight.detach(), w, atol=0, rtol=0)
+        self.assertEqual(moe.router.weight.grad, g, atol=0, rtol=0)
+        self.assertNotEqual(w.bfloat16().float(), w)
+        moe(torch.randn(5, 16, dtype=torch.bfloat16)).sum().backward()
+
+    def test_follows_module_without_it(self):
+        moe = self._moe().to(torch.bfloat16)
+        self.assertEqual(moe.router.weight.dtype, torch.bfloat16)
+        self.assertEqual(moe.router.bias.dtype, torch.bfloat16)
+
+    def test_built_in_router_dtype(self):
+        moe = MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2,
+                            router_dtype=torch.float32), dtype=torch.bfloat16)
+        self.assertEqual(moe.router.weight.dtype, torch.float32)
+        self.assertEqual(moe.experts.w2.dtype, torch.bfloat16)
+
+    def test_bad_router_dtype(self):
+        with self.assertRaisesRegex(TypeError, "router_dtype to be a torch.dtype"):
+            MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, router_dtype="float32")
+        with self.assertRaisesRegex(ValueError, "floating-point dtype, but got torch.int64"):
+            MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, router_dtype=torch.int64)
+
+
+class TestFusedGateUp(TestCase):
+    """``fused_gate_up`` stores ``w1 = [gate | up]`` and computes what the separate weights do."""
+
+    def test_matches_separate_weights(self):
+        kw = dict(dim=16, hidden_dim=8, num_experts=4, top_k=2)
+        torch.manual_seed(0)
+        sep = MoE(MoEConfig(**kw))
+        fused = MoE(MoEConfig(**kw, fused_gate_up=True))
+        self.assertIsNone(fused.experts.w3)
+        self.assertEqual(fused.experts.w1.shape, (4, 16, 16))
+        with torch.no_grad():
+            fused.router.weight.copy_(sep.router.weight)
+            fused.experts.w1.copy_(torch.cat([sep.experts.w1, sep.experts.w3], dim=-1))
+            fused.experts.w2.copy_(sep.experts.w2)
+        x = torch.randn(7, 16)
+        self.assertEqual(fused(x), sep(x))
+
+    def test_needs_gated_activation(self):
+        with self.assertRaisesRegex(ValueError, "fused_gate_up needs a gated activation"):
+            MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, activation="gelu",
+                      fused_gate_up=True)
+        with self.assertRaisesRegex(TypeError, "fused_gate_up to be a bool"):
+            MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, fused_gate_up=1)
+
+
 instantiate_parametrized_tests(TestAuxLosses)
 instantiate_parametrized_tests(TestOutputIsNotAView)
 

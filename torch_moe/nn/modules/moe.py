@@ -6,10 +6,12 @@ E experts, k experts per token.
 Weight layout (GEMM layout, ``x @ w``; an ``nn.Linear`` stores the transpose):
 
     router.weight     [E, D]    logits = x @ router.weight^T      (nn.Linear layout)
+    router.bias       [E]       with ``router_bias`` (gpt-oss)
     router.expert_bias [E]      buffer, aux-loss-free balancing (selection only)
-    experts.w1        [E, D, F] gate projection
-    experts.w3        [E, D, F] up projection    (gated activations only)
+    experts.w1        [E, D, F] gate projection; [E, D, 2F] gate and up with ``fused_gate_up``
+    experts.w3        [E, D, F] up projection    (gated activations without ``fused_gate_up``)
     experts.w2        [E, F, D] down projection
+    experts.b1/b3/b2  [E, F] / [E, F] / [E, D]   with ``ffn_bias`` (b1 [E, 2F] when fused)
     shared.w1/w3      [D, Fs], shared.w2 [Fs, D], shared.gate [1, D] (optional)
 """
 
@@ -64,6 +66,16 @@ class MoEConfig:
         activation: ``"swiglu"``, ``"geglu"``, ``"swiglu_oai"``, ``"gelu"`` or ``"relu"``.
         swiglu_alpha, swiglu_limit: constants of ``"swiglu_oai"`` (gpt-oss: 1.702, 7.0).
         router_bias: the router linear has a bias (gpt-oss).
+        router_dtype: dtype the router's weight and bias keep whatever dtype the module is
+            converted to (``module.to(torch.bfloat16)``): DeepSeek-V3 checkpoints keep the router
+            in fp32 inside a bf16 model. ``None`` (the default) lets them follow the module.
+        fused_gate_up: store the gate and up projections of the routed experts as one weight
+            ``experts.w1 [E, D, 2F]`` (gate in ``[..., :F]``, up in ``[..., F:]``) and no
+            ``experts.w3``, as transformers 5 keeps them (``experts.gate_up_proj``); the
+            expert GEMMs then read one weight. Gated activations only.
+        ffn_bias: the routed experts' projections have biases ``experts.b1 [E, F]`` (``[E, 2F]``
+            with ``fused_gate_up``), ``experts.b3 [E, F]`` and ``experts.b2 [E, D]`` (gpt-oss);
+            the routing weight scales the down projection's bias with its output.
         precision: expert GEMMs in ``"bf16"`` (the parameters' dtype, no quantization),
             ``"fp8_rowwise"`` or ``"mxfp8"`` (E4M3 operands quantized on the fly, forward and
             backward; see :func:`torch_moe.nn.functional.moe_ffn`). Router, shared experts and
@@ -95,6 +107,9 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     router_bias: bool = False
+    router_dtype: Optional[torch.dtype] = None
+    fused_gate_up: bool = False
+    ffn_bias: bool = False
     precision: str = "bf16"
     quant_scale_mode: str = "rceil"
     wgrad_high_precision: bool = False
@@ -140,6 +155,19 @@ class MoEConfig:
             need(not self.topk_before_score, "group-limited routing needs topk_before_score=False")
         if self.load_balance_bias:
             need(not self.topk_before_score, "load_balance_bias needs topk_before_score=False")
+        if self.router_dtype is not None:
+            if not isinstance(self.router_dtype, torch.dtype):
+                raise TypeError(f"{fn}: expected router_dtype to be a torch.dtype or None, but got "
+                                f"{type(self.router_dtype).__name__} {self.router_dtype!r}")
+            need(self.router_dtype.is_floating_point,
+                 f"expected router_dtype to be a floating-point dtype, but got {self.router_dtype}")
+        for name in ("fused_gate_up", "ffn_bias", "router_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{fn}: expected {name} to be a bool, but got "
+                                f"{type(getattr(self, name)).__name__} {getattr(self, name)!r}")
+        if self.fused_gate_up:
+            need(self.gated, f"fused_gate_up needs a gated activation ({GATED_ACTIVATIONS}), but "
+                 f"got activation={self.activation!r}")
         if self.capacity_factor is not None:
             C.check_real(fn, "capacity_factor", self.capacity_factor, low=0, strict=True,
                          extra=" (or None for dropless)")
@@ -184,6 +212,8 @@ class TopKRouter(nn.Module):
     def __init__(self, config: MoEConfig, device=None, dtype=None):
         super().__init__()
         self.config = config
+        if config.router_dtype is not None:
+            dtype = config.router_dtype
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(config.num_experts, device=device, dtype=dtype))
                      if config.router_bias else None)
@@ -198,10 +228,23 @@ class TopKRouter(nn.Module):
     def _apply(self, fn, recurse=True):
         # ``module.to(torch.bfloat16)`` must not round the expert bias: its updates (1e-3 by
         # default) would vanish in bf16. It follows the module's device, never its dtype.
+        # With ``router_dtype`` the weight and bias (and their gradients) keep their dtype the
+        # same way: they are restored from the unconverted tensors, so nothing is rounded.
         expert_bias = self.expert_bias
+        kept = {}
+        if self.config.router_dtype is not None:
+            # .data: a fresh alias, which a conversion in place (``p.data = fn(p)``) leaves alone
+            kept = {name: (p.data, None if p.grad is None else p.grad.data)
+                    for name, p in self.named_parameters(recurse=False)}
         module = super()._apply(fn, recurse)
         if expert_bias is not None and self.expert_bias.dtype != torch.float32:
             self.expert_bias = expert_bias.to(self.expert_bias.device)
+        for name, (data, grad) in kept.items():
+            p = getattr(self, name)
+            if p.dtype != data.dtype:
+                p.data = data.to(p.device)
+            if grad is not None and p.grad is not None and p.grad.dtype != grad.dtype:
+                p.grad = grad.to(p.grad.device)
         return module
 
     def reset_parameters(self) -> None:
@@ -257,9 +300,16 @@ class GroupedExperts(nn.Module):
         self.config = config
         E, D, F = config.num_experts, config.dim, config.hidden_dim
         kw = dict(device=device, dtype=dtype)
-        self.w1 = nn.Parameter(torch.empty(E, D, F, **kw))
+        # w1's columns: [gate | up] when fused, the gate alone otherwise (up in w3)
+        F1 = 2 * F if config.fused_gate_up else F
+        separate_up = config.gated and not config.fused_gate_up
+        self.w1 = nn.Parameter(torch.empty(E, D, F1, **kw))
         self.w2 = nn.Parameter(torch.empty(E, F, D, **kw))
-        self.w3 = nn.Parameter(torch.empty(E, D, F, **kw)) if config.gated else None
+        self.w3 = nn.Parameter(torch.empty(E, D, F, **kw)) if separate_up else None
+        bias = config.ffn_bias
+        self.b1 = nn.Parameter(torch.empty(E, F1, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(E, D, **kw)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(E, F, **kw)) if bias and separate_up else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -267,6 +317,15 @@ class GroupedExperts(nn.Module):
         _init_expert_weight(self.w2, self.config.hidden_dim)
         if self.w3 is not None:
             _init_expert_weight(self.w3, self.config.dim)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def biases(self) -> dict[str, Tensor]:
+        """The biases the experts have, as keyword arguments of the expert ops (``b1``, ``b2``,
+        ``b3``; none without ``ffn_bias``)."""
+        named = {"b1": self.b1, "b2": self.b2, "b3": self.b3}
+        return {name: b for name, b in named.items() if b is not None}
 
     def forward(self, x_TD, sorted_ids, offs, topk_weights, topk_ids=None) -> Tensor:
         """``y [T, D]`` of ``x [T, D]``: ``sorted_ids`` / ``offs`` from ``token_sort(...,
@@ -280,11 +339,11 @@ class GroupedExperts(nn.Module):
                 x_TD.to(self.w1.dtype), sorted_ids, offs, topk_weights, self.w1, self.w2, self.w3,
                 activation=c.activation, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
                 precision=c.precision, scale_mode=c.quant_scale_mode,
-                wgrad_high_precision=c.wgrad_high_precision,
+                wgrad_high_precision=c.wgrad_high_precision, **self.biases(),
             )
         out, _ = torch.ops.torch_moe.grouped_ffn(
             x_TD.to(self.w1.dtype), sorted_ids, offs, topk_weights, self.w1, self.w2, self.w3,
-            c.activation, c.swiglu_alpha, c.swiglu_limit,
+            c.activation, c.swiglu_alpha, c.swiglu_limit, **self.biases(),
         )
         return out
 
