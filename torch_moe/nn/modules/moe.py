@@ -196,6 +196,17 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig: expected {what} <= {C.MAX_NUMEL} elements per weight "
                                  f"(a storage size in bytes must fit in int64), but got {numel}")
 
+    @classmethod
+    def from_hf(cls, config, **overrides) -> "MoEConfig":
+        """The config that reproduces the MoE blocks of a HuggingFace transformers model
+        (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss) from its ``config``, with
+        ``overrides`` on top. See :func:`torch_moe.nn._hf_config.moe_config_from_hf`."""
+        from torch_moe.nn._hf_config import moe_config_from_hf  # reads MoEConfig: no cycle at import
+
+        if cls is not MoEConfig:
+            raise TypeError(f"{cls.__name__}.from_hf: only MoEConfig.from_hf is defined")
+        return moe_config_from_hf(config, **overrides)
+
     @property
     def shared_width_per_expert(self) -> int:
         """FFN dim of one shared expert: ``shared_hidden_dim``, or ``hidden_dim`` if None."""
