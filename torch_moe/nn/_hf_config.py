@@ -1,4 +1,4 @@
-"""``MoEConfig.from_hf``: the :class:`~torch_moe.nn.MoEConfig` that reproduces the MoE blocks of a
+"""``MoEConfig.from_hf``: the fields of the :class:`~torch_moe.nn.MoEConfig` that reproduces the MoE blocks of a
 HuggingFace transformers model, read from its config.
 
 Nothing here imports transformers: the config is read by attribute, so any object with the
@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 
-from torch_moe.nn.modules.moe import MoEConfig
-
-__all__ = ["moe_config_from_hf", "HF_MODEL_TYPES"]
+__all__ = ["moe_config_kwargs_from_hf", "HF_MODEL_TYPES"]
 
 
 def _get(config, *names, default=None, required=True):
@@ -135,15 +133,14 @@ _BUILDERS = {
 HF_MODEL_TYPES = tuple(_BUILDERS)
 
 
-def moe_config_from_hf(config, **overrides) -> MoEConfig:
-    """The :class:`MoEConfig` of the MoE blocks of a transformers model with ``config``.
+def moe_config_kwargs_from_hf(config) -> dict[str, Any]:
+    """The :class:`~torch_moe.nn.MoEConfig` fields of the MoE blocks of a transformers model
+    with ``config`` (what ``MoEConfig.from_hf`` builds its config from).
 
     Args:
         config: a transformers config (``model.config``, ``AutoConfig.from_pretrained(...)``)
             whose ``model_type`` is one of :data:`HF_MODEL_TYPES`. A multimodal config is
             read through its ``text_config``.
-        overrides: fields of :class:`MoEConfig` to set on top (e.g. ``precision="mxfp8"``,
-            ``fused_gate_up=False``).
 
     Auxiliary losses stay off (``load_balance_coeff=0``): a transformers model computes its
     router loss itself, from the router logits it collects (``output_router_logits=True``).
@@ -155,9 +152,4 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
     if model_type not in _BUILDERS:
         raise ValueError(f"MoEConfig.from_hf: expected a config of model_type in {HF_MODEL_TYPES}, "
                          f"but got {type(config).__name__} with model_type={model_type!r}")
-    kw = _BUILDERS[model_type](config)
-    unknown = sorted(set(overrides) - set(MoEConfig.__dataclass_fields__))
-    if unknown:
-        raise TypeError(f"MoEConfig.from_hf: unknown MoEConfig fields {unknown}")
-    kw.update(overrides)
-    return MoEConfig(**kw)
+    return _BUILDERS[model_type](config)

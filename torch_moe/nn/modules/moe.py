@@ -24,6 +24,7 @@ from torch import nn, Tensor
 
 from torch_moe._checks import ACTIVATIONS, GATED_ACTIVATIONS
 from torch_moe.nn import _checks as C
+from torch_moe.nn._hf_config import moe_config_kwargs_from_hf
 from torch_moe.nn import functional as F_moe
 from torch_moe.nn._subclass_hooks import subclass_handlers
 from torch_moe.quantization import BLOCK_SIZE, PRECISIONS, SCALE_MODES
@@ -199,13 +200,15 @@ class MoEConfig:
     @classmethod
     def from_hf(cls, config, **overrides) -> "MoEConfig":
         """The config that reproduces the MoE blocks of a HuggingFace transformers model
-        (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss) from its ``config``, with
-        ``overrides`` on top. See :func:`torch_moe.nn._hf_config.moe_config_from_hf`."""
-        from torch_moe.nn._hf_config import moe_config_from_hf  # reads MoEConfig: no cycle at import
-
-        if cls is not MoEConfig:
-            raise TypeError(f"{cls.__name__}.from_hf: only MoEConfig.from_hf is defined")
-        return moe_config_from_hf(config, **overrides)
+        (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss) from its ``config``
+        (``model.config``), with ``overrides`` (fields of this class, e.g.
+        ``precision="mxfp8"``) on top. See :mod:`torch_moe.nn._hf_config` for what each
+        architecture maps to. Raises ``ValueError`` for another ``model_type`` or a setting
+        torch_moe cannot reproduce, ``TypeError`` for an unknown override."""
+        unknown = sorted(set(overrides) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"MoEConfig.from_hf: unknown MoEConfig fields {unknown}")
+        return cls(**{**moe_config_kwargs_from_hf(config), **overrides})
 
     @property
     def shared_width_per_expert(self) -> int:
