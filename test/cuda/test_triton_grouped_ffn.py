@@ -131,8 +131,9 @@ def _compare_forward(fn, args, what):
     """Runs the forward ``fn(*args)`` against the CPU op on the fp32 (fp64) values."""
     dtype = args[0].dtype
     out, hidden = fn(*args)
+    # every floating tensor, the biases after the scalars included
     ref_out, ref_hidden = torch.ops.torch_moe.grouped_ffn(
-        *_cast(args[:7], _reference_dtype(dtype), "cpu"), *args[7:]
+        *_cast(args, _reference_dtype(dtype), "cpu")
     )
     assert out.shape == ref_out.shape and out.dtype == dtype and out.is_contiguous(), what
     assert hidden.shape == ref_hidden.shape and hidden.dtype == dtype, what
@@ -147,9 +148,11 @@ def _compare_backward(fn, args, what):
     outputs that output_mask asks for included."""
     got = fn(*args)
     ref = torch.ops.torch_moe.grouped_ffn_backward(
-        *_cast(args[:9], _reference_dtype(args[1].dtype), "cpu"), *args[9:]
+        *_cast(args, _reference_dtype(args[1].dtype), "cpu")
     )
-    names = ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "grad_w3")
+    names = ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "grad_w3", "grad_b1",
+             "grad_b2", "grad_b3")
+    assert len(got) == len(ref) == len(names), (what, len(got), len(ref))
     for name, g, r in zip(names, got, ref):
         assert g.shape == r.shape, (what, name, g.shape, r.shape)
         assert g.is_contiguous(), (what, name)
@@ -245,9 +248,10 @@ def _check_forward_routings() -> None:
 
 
 def _backward_args(fwd_args, hidden, grad, mask):
-    x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit = fwd_args
+    """The backward's arguments of the forward's (whose biases, if any, follow its scalars)."""
+    x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit = fwd_args[:10]
     return [grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, alpha,
-            limit, mask]
+            limit, mask, *fwd_args[10:]]
 
 
 def _check_backward_activations(activations) -> None:
@@ -340,10 +344,142 @@ def _check_backward_masks() -> None:
                 )
 
 
+# (activation, layout, biases): each bias alone and all three with separate w1 / w3; the fused
+# w13 with its [E, 2F] b1, alone and with b2 (swiglu_oai: the clamps engage); an ungated kind
+BIAS_CASES = (
+    ("swiglu", "separate", ("b1",)),
+    ("swiglu", "separate", ("b2",)),
+    ("swiglu", "separate", ("b3",)),
+    ("swiglu", "separate", ("b1", "b2", "b3")),
+    ("swiglu_oai", "fused", ("b1",)),
+    ("swiglu_oai", "fused", ("b1", "b2")),
+    ("relu", "plain", ("b1", "b2")),
+)
+
+
+def _biases(layout: str, names, E: int, D: int, F: int, generator) -> list:
+    """[b1, b2, b3], None where not in ``names``: b1 ``[E, 2F]`` for a fused w13 (``[E, F]``
+    otherwise), b2 ``[E, D]``, b3 ``[E, F]`` (a separate w3 only). Of the magnitude of the
+    pre-activations, so the clamps of swiglu_oai engage with them too."""
+    widths = {"b1": 2 * F if layout == "fused" else F, "b2": D, "b3": F}
+    return [torch.randn(E, widths[n], generator=generator) if n in names else None
+            for n in ("b1", "b2", "b3")]
+
+
+def _bias_problem(routing, x, activation, layout, names, D_, F_, g):
+    return (_forward_args(x, routing, _weights(activation, layout, E, D_, F_, g), activation)
+            + _biases(layout, names, E, D_, F_, g))
+
+
+def _check_forward_biases() -> None:
+    """b1 / b3 in hidden, b2 scaled by the routing weight in out, against the CPU op: every
+    routing (padding and an empty expert, one expert holding all tokens, dropped assignments,
+    no tokens), sizes the tiles do not divide, fp32 and bf16, atomic and in-order combine."""
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfgs = _configs()
+    g = torch.Generator().manual_seed(7)
+    for kind, num_tokens, k in ROUTINGS:
+        routing = _routing(kind, num_tokens, k, E, g)
+        x = torch.randn(num_tokens, D_ODD, generator=g)
+        for activation, layout, names in BIAS_CASES:
+            args = _bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g)
+            cases = ((torch.float32, False, "small"), (torch.bfloat16, True, "wide_k"))
+            for dtype, in_order, config in cases:
+                dargs = _cast(args, dtype)
+                what = (f"forward {kind} T={num_tokens} {activation} {layout} {names} {dtype} "
+                        f"{config} det={in_order}")
+                with deterministic() if in_order else contextlib.nullcontext():
+                    _compare_forward(
+                        lambda *a: M.grouped_ffn(*a, config=cfgs[config]), dargs, what
+                    )
+    # the triton_op, default tiles
+    routing = _routing("padded", T, K_TOP, E, g)
+    x = torch.randn(T, D, generator=g)
+    args = _bias_problem(routing, x, "swiglu", "separate", ("b1", "b2", "b3"), D, F, g)
+    _compare_forward(torch.ops.torch_moe._triton_grouped_ffn, args, "triton_op biases")
+
+
+def _check_backward_biases() -> None:
+    """grad_b1 / grad_b3 (row sums of dH per expert), grad_b2 (of the weighted output gradient)
+    and the routing weights' gradient with its <grad, b2[e]> term, every gradient requested,
+    against the CPU op, for every routing; an empty expert's bias gradients are zeros."""
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfgs = _configs()
+    g = torch.Generator().manual_seed(8)
+    for kind, num_tokens, k in ROUTINGS:
+        routing = _routing(kind, num_tokens, k, E, g)
+        x = torch.randn(num_tokens, D_ODD, generator=g)
+        grad = torch.randn(num_tokens, D_ODD, generator=g)
+        for activation, layout, names in BIAS_CASES:
+            args = _bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g)
+            hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+            for in_order, config in ((False, "small"), (True, "wide_k")):
+                what = (f"backward {kind} T={num_tokens} {activation} {layout} {names} "
+                        f"{config} det={in_order}")
+                with deterministic() if in_order else contextlib.nullcontext():
+                    _compare_backward(
+                        lambda *a: M.grouped_ffn_backward(*a, config=cfgs[config]),
+                        _backward_args(args, hidden, grad, FULL_MASK), what,
+                    )
+    # the triton_op, default tiles (and the default tiles of the bias sums)
+    routing = _routing("padded", T, K_TOP, E, g)
+    x, grad = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    args = _bias_problem(routing, x, "swiglu", "separate", ("b1", "b2", "b3"), D, F, g)
+    hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+    _compare_backward(torch.ops.torch_moe._triton_grouped_ffn_backward,
+                      _backward_args(args, hidden, grad, FULL_MASK), "triton_op backward biases")
+
+
+def _check_backward_bias_masks() -> None:
+    """output_mask subsets with biases, bf16: the bias gradients alone (dH computed for them
+    only), the routing weights' gradient alone (its b2 term), each bias gradient on its own;
+    and an FFN dim of zero, where out is the weighted b2 and no column tile carries the
+    routing gradient's b2 term."""
+    patch_interpreter_bf16_dot()
+    from torch_moe._triton import grouped_ffn as M
+
+    cfg = _small_config()
+    g = torch.Generator().manual_seed(9)
+    off = [False] * 5
+    masks = (
+        off + [True, True, True],
+        [False, True, False, False, False, False, False, False],
+        off + [True, False, False],
+        off + [False, True, False],
+        off + [False, False, True],
+        [True, True, False, False, False, False, True, False],
+    )
+    routing = _routing("padded", T, K_TOP, E, g)
+    x = torch.randn(T, D_ODD, generator=g)
+    grad = torch.randn(T, D_ODD, generator=g)
+    for activation, layout in (("swiglu", "separate"), ("swiglu_oai", "fused")):
+        names = ("b1", "b2", "b3") if layout == "separate" else ("b1", "b2")
+        args = _cast(_bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g),
+                     torch.bfloat16)
+        hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+        for mask in masks:
+            with deterministic():
+                _compare_backward(
+                    lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                    _backward_args(args, hidden, grad.bfloat16(), mask),
+                    f"backward {activation} {layout} mask={mask}",
+                )
+    args = _bias_problem(routing, x, "swiglu", "separate", ("b1", "b2", "b3"), D_ODD, 0, g)
+    hidden = _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfg), args, "forward F=0")
+    for mask in (FULL_MASK, masks[1]):
+        _compare_backward(lambda *a: M.grouped_ffn_backward(*a, config=cfg),
+                          _backward_args(args, hidden, grad, mask), f"backward F=0 mask={mask}")
+
+
 def _check_dropped_reads_nothing() -> None:
     """Padding and dropped assignments read no row: the tokens whose assignments are all dropped
     (capacity 2 of 6, align 4) hold NaN in x and grad, the expert that gets nothing has Inf
-    weights; every output is finite and equals the CPU kernel on the same values."""
+    weights (and, in a second run, Inf biases); every output is finite and equals the CPU
+    kernel on the same values."""
     from torch_moe.nn.functional import token_sort_with_capacity
     from torch_moe._triton import grouped_ffn as M
 
@@ -364,10 +500,16 @@ def _check_dropped_reads_nothing() -> None:
         for w in (w1, w2, w3):
             if w is not None:
                 w[1] = float("inf")
-        args = [x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, ALPHA, LIMIT]
-        for in_order in (False, True):
+        plain = [x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, ALPHA, LIMIT]
+        biases = _biases(layout, ("b1", "b2", "b3") if layout == "separate" else ("b1", "b2"),
+                         2, D, F, g)
+        for b in biases:
+            if b is not None:
+                b[1] = float("inf")
+        for args, in_order in ((plain, False), (plain, True), (plain + biases, False),
+                               (plain + biases, True)):
             with deterministic() if in_order else contextlib.nullcontext():
-                what = f"dropped {activation} det={in_order}"
+                what = f"dropped {activation} biases={len(args) > 10} det={in_order}"
                 out, hidden = M.grouped_ffn(*args, config=cfg)
                 ref_out, ref_hidden = torch.ops.torch_moe.grouped_ffn(*args)
                 for got, ref in ((out, ref_out), (hidden, ref_hidden)):
@@ -376,7 +518,8 @@ def _check_dropped_reads_nothing() -> None:
                 bargs = _backward_args(args, ref_hidden, grad, FULL_MASK)
                 got = M.grouped_ffn_backward(*bargs, config=cfg)
                 ref = torch.ops.torch_moe.grouped_ffn_backward(*bargs)
-                for name, a, r in zip(("x", "topk", "w1", "w2", "w3"), got, ref):
+                for name, a, r in zip(("x", "topk", "w1", "w2", "w3", "b1", "b2", "b3"), got,
+                                      ref):
                     assert torch.isfinite(r).all() and torch.isfinite(a).all(), (what, name)
                     assert_matches(a, r, f"{what}: grad_{name}")
 
@@ -484,7 +627,7 @@ def _check_fake_cuda() -> None:
     def launched(*args, **kwargs):
         raise AssertionError("a fake tensor run launched a Triton kernel")
 
-    for kernel in (M._ffn_up_kernel, M._ffn_down_backward_kernel):
+    for kernel in (M._ffn_up_kernel, M._ffn_down_backward_kernel, M._group_sum_kernel):
         kernel.run = launched
 
     S = 40
@@ -495,13 +638,18 @@ def _check_fake_cuda() -> None:
         x, grad = t(T, D), t(T, D)
         sorted_ids, offs, topk = t(S, dtype=torch.int64), t(E, dtype=torch.int32), t(T, K_TOP)
         w2 = t(E, F, D)
+        # (activation, w1, w3, H, (b1, b2, b3))
         layouts = {
-            "separate": ("swiglu", t(E, D, F), t(E, D, F), 2 * F),
-            "fused": ("geglu", t(E, D, 2 * F), None, 2 * F),
-            "plain": ("relu", t(E, D, F), None, F),
+            "separate": ("swiglu", t(E, D, F), t(E, D, F), 2 * F, ()),
+            "fused": ("geglu", t(E, D, 2 * F), None, 2 * F, ()),
+            "plain": ("relu", t(E, D, F), None, F, ()),
+            "separate biases": ("swiglu", t(E, D, F), t(E, D, F), 2 * F,
+                                (t(E, F), t(E, D), t(E, F))),
+            "fused biases": ("geglu", t(E, D, 2 * F), None, 2 * F, (t(E, 2 * F), t(E, D), None)),
         }
-        for name, (activation, w1, w3, H) in layouts.items():
-            fwd = (x, sorted_ids, offs, topk, w1, w2, w3, activation, ALPHA, LIMIT)
+        bias_masks = ([False] * 5 + [True] * 3, [False, True] + [False] * 4 + [True, False])
+        for name, (activation, w1, w3, H, biases) in layouts.items():
+            fwd = (x, sorted_ids, offs, topk, w1, w2, w3, activation, ALPHA, LIMIT, *biases)
             out, hidden = cuda_kernel("grouped_ffn")(*fwd)
             ref = torch_moe._meta_registrations.grouped_ffn_meta(*fwd)
             for a, b in zip((out, hidden), ref):
@@ -509,9 +657,10 @@ def _check_fake_cuda() -> None:
                 assert a.stride() == b.stride() and a.device == b.device, name
             assert hidden.shape == (S, H), name
             for mask in (FULL_MASK, [True, False, True, False, True] + NO_BIASES,
-                         [False, True, False, True, False] + NO_BIASES):
+                         [False, True, False, True, False] + NO_BIASES,
+                         *(bias_masks if biases else ())):
                 bwd = (grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden, activation, ALPHA,
-                       LIMIT, mask)
+                       LIMIT, mask, *biases)
                 got = cuda_kernel("grouped_ffn_backward")(*bwd)
                 ref = torch_moe._meta_registrations.grouped_ffn_backward_meta(*bwd)
                 for a, b in zip(got, ref):
@@ -525,7 +674,7 @@ def _check_fake_cuda() -> None:
 def _check_graph_capture() -> None:
     """The triton_ops, and the public ops on CUDA tensors, decompose into functional Triton kernel
     wrappers under AOT capture (what Inductor compiles as user-defined kernels), and the mutation
-    analysis finds that the FFN kernels write their outputs only."""
+    analysis finds that the FFN kernels write their outputs only, with and without biases."""
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -535,7 +684,7 @@ def _check_graph_capture() -> None:
     def launched(*args, **kwargs):
         raise AssertionError("graph capture launched a Triton kernel")
 
-    for kernel in (M._ffn_up_kernel, M._ffn_down_backward_kernel):
+    for kernel in (M._ffn_up_kernel, M._ffn_down_backward_kernel, M._group_sum_kernel):
         kernel.run = launched
 
     class Forward(torch.nn.Module):
@@ -543,17 +692,18 @@ def _check_graph_capture() -> None:
             super().__init__()
             self.op = op
 
-        def forward(self, x, sorted_ids, offs, topk, w1, w2, w3):
-            return tuple(self.op(x, sorted_ids, offs, topk, w1, w2, w3, "swiglu", ALPHA, LIMIT))
+        def forward(self, x, sorted_ids, offs, topk, w1, w2, w3, *biases):
+            return tuple(self.op(x, sorted_ids, offs, topk, w1, w2, w3, "swiglu", ALPHA, LIMIT,
+                                 *biases))
 
     class Backward(torch.nn.Module):
         def __init__(self, op):
             super().__init__()
             self.op = op
 
-        def forward(self, grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden):
+        def forward(self, grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden, *biases):
             return tuple(self.op(grad, x, sorted_ids, offs, topk, w1, w2, w3, hidden, "swiglu",
-                                 ALPHA, LIMIT, FULL_MASK))
+                                 ALPHA, LIMIT, FULL_MASK, *biases))
 
     def inputs(device):
         S = 40
@@ -563,9 +713,12 @@ def _check_graph_capture() -> None:
 
             routing = (t(S, dtype=torch.int64), t(E, dtype=torch.int32), t(T, K_TOP))
             weights = (t(E, D, F), t(E, F, D), t(E, D, F))
+            biases = (t(E, F), t(E, D), t(E, F))
             return {
                 "forward": (t(T, D), *routing, *weights),
                 "backward": (t(T, D), t(T, D), *routing, *weights, t(S, 2 * F)),
+                "forward biases": (t(T, D), *routing, *weights, *biases),
+                "backward biases": (t(T, D), t(T, D), *routing, *weights, t(S, 2 * F), *biases),
             }
 
     def capture(module, args):
@@ -574,10 +727,10 @@ def _check_graph_capture() -> None:
     def targets(gm):
         return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
-    triton_ops = {
-        "forward": Forward(torch.ops.torch_moe._triton_grouped_ffn.default),
-        "backward": Backward(torch.ops.torch_moe._triton_grouped_ffn_backward.default),
-    }
+    forward_op = Forward(torch.ops.torch_moe._triton_grouped_ffn.default)
+    backward_op = Backward(torch.ops.torch_moe._triton_grouped_ffn_backward.default)
+    triton_ops = {"forward": forward_op, "backward": backward_op,
+                  "forward biases": forward_op, "backward biases": backward_op}
     public_ops = {
         "forward": Forward(torch.ops.torch_moe.grouped_ffn.default),
         "backward": Backward(torch.ops.torch_moe.grouped_ffn_backward.default),
@@ -591,12 +744,14 @@ def _check_graph_capture() -> None:
     # with a GPU target for the Triton frontend, the mutation analysis runs for real
     use_sm90_target()
     # what each kernel writes: the up kernel, the backward's dA kernel (every output requested),
-    # grouped_mm's kernels, and permute's inverse map (the routing's range and duplicate check)
+    # grouped_mm's kernels and the bias sums, and permute's inverse map (the routing's range
+    # and duplicate check)
     inverse_map = {"slot_ptr", "errors_ptr"}
     written = {
         "forward": [{"hidden_ptr", "act_ptr"}, {"out_ptr"}, inverse_map],
         "backward": [{"dh_ptr", "act_ptr", "part_ptr"}, {"out_ptr"}, inverse_map],
     }
+    written["forward biases"], written["backward biases"] = written["forward"], written["backward"]
     for name, module in triton_ops.items():
         gm = capture(module, cpu[name])
         clones = [
@@ -642,6 +797,15 @@ class TestTritonGroupedFFN(TestCase):
 
     def test_backward_masks_interpreted(self):
         self._run("_check_backward_masks")
+
+    def test_forward_biases_interpreted(self):
+        self._run("_check_forward_biases")
+
+    def test_backward_biases_interpreted(self):
+        self._run("_check_backward_biases")
+
+    def test_backward_bias_masks_interpreted(self):
+        self._run("_check_backward_bias_masks")
 
     def test_dropped_reads_nothing_interpreted(self):
         self._run("_check_dropped_reads_nothing")

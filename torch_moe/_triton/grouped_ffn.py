@@ -1,8 +1,9 @@
 """Triton kernels of ``torch_moe::grouped_ffn`` and ``torch_moe::grouped_ffn_backward``.
 
-The expert FFN ``out[t] = sum_j topk_weights[t, j] * act(x[t] @ w1[e], x[t] @ w3[e]) @ w2[e]``
-over the sorted slots ``i`` (``sorted_ids[i] = t * k + j``, expert ``e`` the group of ``i`` in
-``offs``), with no permuted copy of ``x`` and no host synchronisation.
+The expert FFN ``out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w1[e] + b1[e], x[t] @ w3[e] +
+b3[e]) @ w2[e] + b2[e])`` (each bias optional) over the sorted slots ``i`` (``sorted_ids[i] =
+t * k + j``, expert ``e`` the group of ``i`` in ``offs``), with no permuted copy of ``x`` and no
+host synchronisation.
 
 Legend: T tokens, k = top_k, S sorted slots, E experts, D model dim, F FFN dim, H the width of the
 pre-activation (``2F`` gated, ``F`` otherwise); ``token(i) = sorted_ids[i] // k``, ``w_i`` the
@@ -12,27 +13,35 @@ Forward:
 
 * ``_ffn_up_kernel``: one program computes a ``[BLOCK_M, BLOCK_N]`` tile of the gate and the up
   projection of the same columns (two accumulators; a fused ``w13 [E, D, 2F]`` is read at column
-  offsets ``0`` and ``F``), gathering its rows of ``x`` through ``token(i)``. The epilogue writes
-  ``hidden [S, H]`` (the pre-activation, saved for the backward) and ``a = act(hidden) [S, F]``,
-  computed in fp32 from the stored, rounded pre-activation, so the backward recomputes exactly
-  what the forward used. ``a`` is a transient of the forward.
+  offsets ``0`` and ``F``), gathering its rows of ``x`` through ``token(i)``. The epilogue adds
+  the expert's biases (b1 and b3, or the ``[E, 2F]`` b1 of a fused w13 at the same column
+  offsets) in fp32 and writes ``hidden [S, H]`` (the pre-activation, biases included, saved for
+  the backward) and ``a = act(hidden) [S, F]``, computed in fp32 from the stored, rounded
+  pre-activation, so the backward recomputes exactly what the forward used. ``a`` is a
+  transient of the forward.
 * the down projection is the rows kernel of :mod:`torch_moe._triton.grouped_mm` with a per-slot
-  scale ``w_i`` and a scatter to ``token(i)``: fp32 atomic adds and one rounding, or, under
-  ``torch.use_deterministic_algorithms(True)``, rows in slot order and a fixed-order
-  ``index_add_``.
+  scale ``w_i``, b2 added in its epilogue before that scale, and a scatter to ``token(i)``:
+  fp32 atomic adds and one rounding, or, under ``torch.use_deterministic_algorithms(True)``,
+  rows in slot order and a fixed-order ``index_add_``.
 
-Backward (saved: x, hidden, the routing and the weights; the activation is recomputed):
+Backward (saved: x, hidden, the routing, the weights and biases; the activation is
+recomputed):
 
 * ``_ffn_down_backward_kernel``: ``dA_i = grad[token(i)] @ w2[e]^T`` per ``[BLOCK_M, BLOCK_N]``
   tile of F, with an epilogue that recomputes ``a_i`` from ``hidden`` and writes, as requested,
   the partial sums of ``<dA_i, a_i>`` over the tile's columns (``d out / d w_i``, summed over the
-  column tiles in a fixed order afterwards), ``a_i`` (an operand of ``grad_w2``) and
-  ``dH_i = act'(hidden_i) applied to w_i * dA_i``.
+  column tiles in a fixed order afterwards; with b2, ``<grad[token(i)], b2[e]>`` joins the first
+  column tile's, accumulated from the rows of grad its K loop reads), ``a_i`` (an operand of
+  ``grad_w2``) and ``dH_i = act'(hidden_i) applied to w_i * dA_i``.
 * ``grad_w2[e] = sum_i a_i^T (w_i grad[token(i)])`` and ``grad_w1 / grad_w3[e] = sum_i
   x[token(i)]^T dH_i``: the gathered contraction-split kernel of grouped_mm over the slots of
   each group, which reads the token rows of grad and x through ``token(i)`` (no gathered copy).
 * ``grad_x[t] = sum_{i: token(i) = t} dH_i @ w13[e]^T``: the rows kernel, scattered as the forward
   combine is (deterministic mode: rows, then ``index_add_``).
+* the bias gradients, ``grad_b1 / grad_b3[e] = sum_i dH_i`` (gate / up columns) and
+  ``grad_b2[e] = sum_i w_i grad[token(i)]`` over the slots of expert e: ``_group_sum_kernel``,
+  one program per expert and column tile summing the group's rows in slot order in fp32
+  (deterministic, no atomics), the rows of grad gathered through ``token(i)``.
 
 Only what ``output_mask`` asks for is computed. Padded slots (-1 in ``sorted_ids``) read no row
 and write zero rows (``hidden``, ``dH``), add nothing to ``out`` / ``grad_x`` / the weight
@@ -154,6 +163,8 @@ def _ffn_up_kernel(
     x_ptr,
     w1_ptr,
     w3_ptr,
+    b1_ptr,
+    b3_ptr,
     offs_ptr,
     ids_ptr,
     hidden_ptr,
@@ -167,6 +178,7 @@ def _ffn_up_kernel(
     K,
     num_groups,
     up_col,
+    up_bias_col,
     stride_xm,
     stride_xk,
     stride_w1e,
@@ -175,12 +187,18 @@ def _ffn_up_kernel(
     stride_w3e,
     stride_w3k,
     stride_w3n,
+    stride_b1e,
+    stride_b1n,
+    stride_b3e,
+    stride_b3n,
     stride_hm,
     stride_hn,
     stride_am,
     stride_an,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    HAS_B1: tl.constexpr,
+    HAS_B3: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -193,6 +211,10 @@ def _ffn_up_kernel(
     Shapes: x ``[T, K]``; w1 ``[E, K, *]`` (gate at columns ``cols``), w3 ``[E, K, *]`` (up at
     columns ``up_col + cols``; w1 itself with ``up_col = F`` for a fused w13); offs ``[E]`` int32;
     ids ``[S]`` int64; hidden ``[S, H]`` (gate at ``cols``, up at ``F + cols``); act ``[S, F]``.
+    The biases, with ``HAS_B1`` / ``HAS_B3``: b1 ``[E, *]`` (gate at columns ``cols``), b3
+    ``[E, *]`` (up at columns ``up_bias_col + cols``; b1 itself with ``up_bias_col = F`` for the
+    ``[E, 2F]`` bias of a fused w13), added in the accumulation dtype before ``hidden`` is
+    rounded.
     The segments and the grid are those of the rows kernel of grouped_mm, tail included:
     grid = ``((cdiv(S, BLOCK_M) + E) * cdiv(F, BLOCK_N),)``.
     """
@@ -249,6 +271,17 @@ def _ffn_up_kernel(
         w1_ptrs += BLOCK_K * stride_w1k
         w3_ptrs += BLOCK_K * stride_w3k
 
+    # The biases of the tile's expert (none on the tail, nor past the last tile: no expert;
+    # a comparison, not col_ok & is_group, which the interpreter cannot use as a mask)
+    bias_ok = cols < tl.where(is_group, F, 0)
+    if HAS_B1:
+        bg = tl.load(b1_ptr + e * stride_b1e + cols * stride_b1n, mask=bias_ok, other=0.0)
+        acc_g = acc_g + bg.to(acc_g.dtype)[None, :]
+    if HAS_B3:
+        bu = tl.load(b3_ptr + e * stride_b3e + (up_bias_col + cols) * stride_b3n, mask=bias_ok,
+                     other=0.0)
+        acc_u = acc_u + bu.to(acc_u.dtype)[None, :]
+
     # Padded slots store zeros (not the product of a zero row, NaN against an Inf weight); the
     # activation is computed from the stored, rounded pre-activation, as the backward sees it.
     out_ok = row_ok[:, None] & col_ok[None, :]
@@ -271,6 +304,7 @@ def _ffn_up_kernel(
 def _ffn_down_backward_kernel(
     grad_ptr,
     w2_ptr,
+    b2_ptr,
     offs_ptr,
     ids_ptr,
     topk_ptr,
@@ -291,6 +325,8 @@ def _ffn_down_backward_kernel(
     stride_w2e,
     stride_w2n,
     stride_w2k,
+    stride_b2e,
+    stride_b2k,
     stride_tt,
     stride_tj,
     stride_hm,
@@ -306,6 +342,7 @@ def _ffn_down_backward_kernel(
     WRITE_DH: tl.constexpr,
     WRITE_ACT: tl.constexpr,
     WRITE_PART: tl.constexpr,
+    HAS_B2: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -318,6 +355,9 @@ def _ffn_down_backward_kernel(
 
     Shapes: grad ``[T, K]`` (K = D); w2 ``[E, F, K]``; topk ``[T, k]``; hidden, dh ``[S, H]``;
     act ``[S, F]``; part ``[S, cdiv(F, BLOCK_N)]`` fp32 / fp64, column ``pid % col_tiles``.
+    With ``HAS_B2`` (b2 ``[E, K]``, only read with ``WRITE_PART``): ``d out / d w_i`` also has the
+    term ``<grad[token(i)], b2[e]>``, accumulated over the K loop that reads those rows of grad
+    and added to the partial sum of column tile 0.
     The grid is that of ``_ffn_up_kernel``; every row of every output is written (zeros for
     padding and the tail).
     """
@@ -349,6 +389,8 @@ def _ffn_down_backward_kernel(
     )
 
     acc = _acc_zeros(grad_ptr, BLOCK_M, BLOCK_N)
+    # <grad[token(i)], b2[e]> per row, as [BLOCK_M, BLOCK_K] partial products summed at the end
+    bias_dot = _acc_zeros(grad_ptr, BLOCK_M, BLOCK_K)
     if NEED_DA:
         k_end = tl.where(is_group, K, 0)
         ks = tl.arange(0, BLOCK_K)
@@ -359,6 +401,8 @@ def _ffn_down_backward_kernel(
             + ks[:, None] * stride_w2k
             + cols[None, :] * stride_w2n
         )
+        # offsets, not pointers: b2_ptr is None without HAS_B2
+        b2_offs = seg.to(tl.int64) * stride_b2e + ks * stride_b2k
         for k in range(0, k_end, BLOCK_K):
             if EVEN_K:
                 a = tl.load(g_ptrs, mask=src_ok[:, None], other=0.0)
@@ -368,6 +412,13 @@ def _ffn_down_backward_kernel(
                 a = tl.load(g_ptrs, mask=src_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if HAS_B2 and WRITE_PART:
+                if EVEN_K:
+                    bias = tl.load(b2_ptr + b2_offs)
+                else:
+                    bias = tl.load(b2_ptr + b2_offs, mask=k_ok, other=0.0)
+                bias_dot += a.to(bias_dot.dtype) * bias.to(bias_dot.dtype)[None, :]
+                b2_offs += BLOCK_K * stride_b2k
             g_ptrs += BLOCK_K * stride_gk
             w_ptrs += BLOCK_K * stride_w2k
         # a padded slot's dA is zero, whatever its group's weights hold
@@ -387,6 +438,10 @@ def _ffn_down_backward_kernel(
         act = tl.where(h_ok, _act(g, u, alpha, limit, ACTIVATION), 0.0)
         if WRITE_PART:
             part = tl.sum(acc * act, 1)
+            if HAS_B2:
+                # the bias term once per row, in the first column tile; none for padding
+                bias_part = tl.where(src_ok, tl.sum(bias_dot, 1), 0.0)
+                part += tl.where(col_tile == 0, bias_part, 0.0)
             tl.store(part_ptr + rows * stride_pm + col_tile, part, mask=row_ok)
         if WRITE_ACT:
             act_ptrs = act_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an
@@ -398,6 +453,68 @@ def _ffn_down_backward_kernel(
         if GATED:
             du = tl.where(h_ok, du, 0.0).to(dh_ptr.dtype.element_ty)
             tl.store(dh_ptrs + F * stride_dn, du, mask=out_ok)
+
+
+@triton.jit
+def _group_sum_kernel(
+    src_ptr,
+    index_ptr,
+    scale_ptr,
+    offs_ptr,
+    out_ptr,
+    num_slots,
+    num_src_rows,
+    N,
+    num_groups,
+    stride_sm,
+    stride_sn,
+    stride_oe,
+    stride_on,
+    HAS_INDEX: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One program: columns ``cols`` of ``out[g] = sum_{offs[g-1] <= i < offs[g]} scale_i *
+    src[index_i]`` (a bias gradient: the pre-activation gradient's rows, or the routing-weighted
+    rows of the output gradient).
+
+    Shapes: src ``[num_src_rows, N]`` (``num_slots`` rows without ``HAS_INDEX``), index / scale
+    ``[num_slots]`` int64 / float, offs ``[num_groups]`` int32, out ``[num_groups, N]``. The
+    group's rows are summed in order in the accumulation dtype and rounded once; a slot whose
+    index is -1 (or out of range) adds nothing; an empty group gives zeros.
+    grid = ``(num_groups * cdiv(N, BLOCK_N),)``.
+    """
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    g = pid // col_tiles
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols = cols.to(tl.int64)
+
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g)
+    start = tl.minimum(tl.maximum(start, 0), num_slots)
+    end = tl.minimum(tl.maximum(end, start), num_slots)
+
+    acc = _acc_zeros(src_ptr, BLOCK_M, BLOCK_N)
+    for m in range(start, end, BLOCK_M):
+        slots = (m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ok = slots < end
+        if HAS_INDEX:
+            src = tl.load(index_ptr + slots, mask=ok, other=-1)
+            ok = ok & (src >= 0) & (src < num_src_rows)
+        else:
+            src = slots
+        v = tl.load(src_ptr + src[:, None] * stride_sm + cols[None, :] * stride_sn,
+                    mask=ok[:, None] & col_ok[None, :], other=0.0).to(acc.dtype)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + slots, mask=ok, other=0.0).to(acc.dtype)
+            v = v * scale[:, None]
+        acc += v
+    total = tl.sum(acc, 0)
+    out_ptrs = out_ptr + g.to(tl.int64) * stride_oe + cols * stride_on
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,11 +552,12 @@ def _slot_weights(topk_weights: Tensor, sorted_ids: Tensor, token: Tensor) -> Te
 
 def _scatter_rows_sum(
     terms, offs: Tensor, token: Tensor, scale: Optional[Tensor], num_tokens: int, N: int,
-    dtype: torch.dtype, config: Optional[GemmConfig],
+    dtype: torch.dtype, config: Optional[GemmConfig], bias: Optional[Tensor] = None,
 ) -> Tensor:
-    """``out[token(i)] += sum over (a, w) in terms of scale_i * a_i @ w[e]`` (a ``[S, K]``,
-    w ``[E, K, N]``), in fp32 / fp64, rounded once to ``dtype``. Atomic adds, or under
-    deterministic algorithms rows in slot order and a fixed-order sum."""
+    """``out[token(i)] += scale_i * (sum over (a, w) in terms of a_i @ w[e] + bias[e])`` (a
+    ``[S, K]``, w ``[E, K, N]``, bias ``[E, N]`` or None), in fp32 / fp64, rounded once to
+    ``dtype``. Atomic adds, or under deterministic algorithms rows in slot order and a
+    fixed-order sum. (The bias rides on the first term's launch.)"""
     S = token.size(0)
     acc_dtype = _acc_dtype(dtype)
     acc = torch.zeros((num_tokens, N), dtype=acc_dtype, device=token.device)
@@ -448,7 +566,8 @@ def _scatter_rows_sum(
         for a, w in terms:
             r = torch.empty((S, N), dtype=acc_dtype, device=token.device)
             if r.numel():
-                _launch_rows(a, w, offs, None, None, scale, r, S, config)
+                _launch_rows(a, w, offs, None, None, scale, r, S, config,
+                             bias=bias if rows is None else None)
             rows = r if rows is None else rows.add_(r)
         if acc.size(0):
             rows.masked_fill_((token < 0).unsqueeze(1), 0)
@@ -460,7 +579,8 @@ def _scatter_rows_sum(
             cfg = config
             if cfg is None and n > 0:
                 cfg = _rows_table_config(a, S, w.size(2), w.size(1), w.size(0))
-            _launch_rows(a, w, offs, None, token, scale, acc, S, cfg)
+            _launch_rows(a, w, offs, None, token, scale, acc, S, cfg,
+                         bias=bias if n == 0 else None)
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
@@ -502,6 +622,21 @@ def _ffn_config(x: Tensor, S, F, D, E, narrow: bool, weight_tiles: int = 1) -> G
     return fit_shared_memory(cfg, x.dtype, arch, weight_tiles)
 
 
+def _strides(t: Optional[Tensor]) -> tuple:
+    """The strides of a 2-D operand, zeros for an absent one (its kernel branch is off)."""
+    return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
+
+
+def _up_bias(b1: Optional[Tensor], b3: Optional[Tensor], gated: bool, F) -> tuple:
+    """``(bias, column)``: the up projection's bias ``[E, *]`` and the column of it where the
+    up bias starts: b3 at 0, or the ``[E, 2F]`` b1 of a fused w13 at F; (None, 0) without one."""
+    if b3 is not None:
+        return b3, 0
+    if gated and b1 is not None and b1.size(1) == 2 * F:
+        return b1, F
+    return None, 0
+
+
 def grouped_ffn(
     x: Tensor,
     sorted_ids: Tensor,
@@ -524,14 +659,16 @@ def grouped_ffn(
 
     Args: those of the op (x ``[T, D]``, sorted_ids ``[S]``, offs ``[E]``, topk_weights
     ``[T, k]``, w1 ``[E, D, F]`` or fused ``[E, D, 2F]``, w2 ``[E, F, D]``, w3 ``[E, D, F]`` or
-    None); ``config``: the tiles of every GEMM (default: chosen from the dtype and sizes).
+    None; the optional biases b1 ``[E, F]`` or fused ``[E, 2F]``, b2 ``[E, D]``, b3 ``[E, F]``,
+    any strides); ``config``: the tiles of every GEMM (default: chosen from the dtype and
+    sizes).
 
     Returns:
-        ``(out [T, D], hidden [S, H])``, contiguous, in the dtype of x.
+        ``(out [T, D], hidden [S, H])``, contiguous, in the dtype of x; ``hidden`` includes b1
+        and b3.
     """
     _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
                                      b1=b1, b2=b2, b3=b3)
-    _check_no_biases("torch_moe.grouped_ffn", b1, b2, b3)
     # the kernels read the 1-D operands with unit stride
     sorted_ids, offs = sorted_ids.contiguous(), offs.contiguous()
     _check_routing("torch_moe.grouped_ffn", sorted_ids, offs, topk_weights.numel())
@@ -547,21 +684,26 @@ def grouped_ffn(
             config if config is not None
             else _ffn_config(x, S, F, D, E, gated, weight_tiles=2 if gated else 1)
         )
-        # a fused w13 holds the up projection in its columns F..2F
+        # a fused w13 holds the up projection in its columns F..2F, and its bias b1 [E, 2F] the
+        # up bias in its columns F..2F
         w_up, up_col = (w3, 0) if w3 is not None else (w1, F)
+        b_up, up_bias_col = _up_bias(b1, b3, gated, F)
         args = (
-            x, w1, w_up, offs, sorted_ids, hidden, act,
+            x, w1, w_up, b1, b_up, offs, sorted_ids, hidden, act,
             float(alpha), float(limit),
-            S, T, k, F, D, E, up_col,
+            S, T, k, F, D, E, up_col, up_bias_col,
             x.stride(0), x.stride(1),
             w1.stride(0), w1.stride(1), w1.stride(2),
             w_up.stride(0), w_up.stride(1), w_up.stride(2),
+            *_strides(b1), *_strides(b_up),
             hidden.stride(0), hidden.stride(1),
             act.stride(0), act.stride(1),
         )
         flags = dict(
             GATED=gated,
             ACTIVATION=_ACTIVATION_CODES[activation],
+            HAS_B1=b1 is not None,
+            HAS_B3=b_up is not None,
             INPUT_PRECISION=_input_precision(x.dtype),
             # the candidates share the table's BLOCK_K
             EVEN_K=bool(D % table.block_k == 0),
@@ -577,7 +719,8 @@ def grouped_ffn(
         _launch(_ffn_up_kernel, grid, args, flags, config, candidates, ("F", "K", "num_groups"))
     token = _token_index(sorted_ids, T, k)
     scale = _slot_weights(topk_weights, sorted_ids, token)
-    out = _scatter_rows_sum([(act, w2)], offs, token, scale, T, D, x.dtype, config)
+    # b2 in the down projection's epilogue, before the routing weight (which scales it too)
+    out = _scatter_rows_sum([(act, w2)], offs, token, scale, T, D, x.dtype, config, bias=b2)
     return out, hidden
 
 
@@ -612,13 +755,17 @@ def grouped_ffn_backward(
         grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation, output_mask,
         b1=b1, b2=b2, b3=b3,
     )
-    _check_no_biases("torch_moe.grouped_ffn_backward", b1, b2, b3)
     sorted_ids, offs = sorted_ids.contiguous(), offs.contiguous()
     _check_routing("torch_moe.grouped_ffn_backward", sorted_ids, offs, topk_weights.numel())
-    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask[:5]
+    want_x, want_topk, want_w1, want_w2, want_w3, want_b1, want_b2, want_b3 = output_mask
     want_w3 = want_w3 and w3 is not None
-    want_dH = want_x or want_w1 or want_w3
+    want_b1, want_b2, want_b3 = (want and b is not None
+                                 for want, b in ((want_b1, b1), (want_b2, b2), (want_b3, b3)))
+    # b1 / b3 take the row sums of dH; b2 those of the weighted output gradient, and the
+    # routing weights' gradient gains <grad, b2[e]> (read by the dA kernel with grad's rows)
+    want_dH = want_x or want_w1 or want_w3 or want_b1 or want_b3
     want_dA = want_topk or want_dH
+    topk_bias = want_topk and b2 is not None
     gated = activation in _checks.GATED_ACTIVATIONS
     T, D = x.shape
     E = w1.size(0)
@@ -634,11 +781,13 @@ def grouped_ffn_backward(
     part = torch.empty((S, col_tiles), dtype=acc_dtype, device=x.device) if want_topk else None
     if S > 0 and F > 0 and (want_dA or want_w2):
         wrap_triton(_ffn_down_backward_kernel)[_rows_grid(S, E, F, cfg)](
-            grad, w2, offs, sorted_ids, topk_weights, hidden, dH, act, part,
+            grad, w2, b2 if topk_bias else None, offs, sorted_ids, topk_weights, hidden, dH, act,
+            part,
             float(alpha), float(limit),
             S, T, k, F, D, E,
             grad.stride(0), grad.stride(1),
             w2.stride(0), w2.stride(1), w2.stride(2),
+            *_strides(b2 if topk_bias else None),
             topk_weights.stride(0), topk_weights.stride(1),
             hidden.stride(0), hidden.stride(1),
             dH.stride(0) if want_dH else 0, dH.stride(1) if want_dH else 0,
@@ -650,6 +799,7 @@ def grouped_ffn_backward(
             WRITE_DH=want_dH,
             WRITE_ACT=want_w2,
             WRITE_PART=want_topk,
+            HAS_B2=topk_bias,
             INPUT_PRECISION=_input_precision(x.dtype),
             EVEN_K=bool(D % cfg.block_k == 0),
             BLOCK_M=cfg.block_m,
@@ -665,6 +815,9 @@ def grouped_ffn_backward(
         # the column tiles' partial sums in a fixed order, then each slot's sum to its
         # assignment (at most one slot each); padding goes to a spare entry that is dropped
         per_slot = part.sum(1)
+        if topk_bias and F == 0:
+            # no column tile carries the bias term
+            per_slot = per_slot + _slot_bias_dot(grad, b2, offs, token, acc_dtype)
         n = T * k
         acc = torch.zeros(n + 1, dtype=acc_dtype, device=x.device)
         acc.index_add_(0, torch.where(token >= 0, sorted_ids, n), per_slot)
@@ -700,16 +853,68 @@ def grouped_ffn_backward(
     if want_x:
         terms = [(d, w.transpose(1, 2)) for d, w in dH_parts]
         grad_x = _scatter_rows_sum(terms, offs, token, None, T, D, x.dtype, config)
-    no_b1, no_b2, no_b3 = (w1.new_empty((0,)) for _ in range(3))
-    return grad_x, grad_topk, grad_w1, grad_w2, grad_w3, no_b1, no_b2, no_b3
+
+    # The bias gradients: per-expert sums of rows, in the accumulation dtype. b1 takes the
+    # gate columns of dH (all of them for the [E, 2F] bias of a fused w13, and with an
+    # ungated activation), b3 the up columns.
+    grad_b1, grad_b2, grad_b3 = (
+        (b if b is not None else w1).new_empty((0,)) for b in (b1, b2, b3)
+    )
+    if want_b1:
+        grad_b1 = torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
+        _group_sum(dH.narrow(1, 0, b1.size(1)), offs, grad_b1, config)
+    if want_b3:
+        grad_b3 = torch.empty(b3.shape, dtype=b3.dtype, device=b3.device)
+        _group_sum(dH.narrow(1, F, F), offs, grad_b3, config)
+    if want_b2:
+        grad_b2 = torch.empty(b2.shape, dtype=b2.dtype, device=b2.device)
+        weight = _slot_weights(topk_weights, sorted_ids, token)
+        _group_sum(grad, offs, grad_b2, config, index=token, scale=weight)
+    return grad_x, grad_topk, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3
 
 
-def _check_no_biases(op: str, b1, b2, b3) -> None:
-    # not silently dropped: a bias changes hidden, which the kernels' epilogues write
-    if b1 is not None or b2 is not None or b3 is not None:
-        raise NotImplementedError(
-            f"{op}: the Triton kernels do not take the expert biases b1, b2, b3 yet"
-        )
+def _group_sum(
+    src: Tensor, offs: Tensor, out: Tensor, config: Optional[GemmConfig], *,
+    index: Optional[Tensor] = None, scale: Optional[Tensor] = None,
+) -> None:
+    """``out[g] = sum_{i in group g} scale_i * src[index_i]`` (:func:`_group_sum_kernel`):
+    src ``[R, N]`` (``[S, N]`` without ``index``), index / scale ``[S]`` or None, out ``[E, N]``
+    written (zeros for an empty group). Deterministic: each program sums its group in slot
+    order. The tiles: the config's rows and columns, if given."""
+    E, N = out.shape
+    if out.numel() == 0:
+        return
+    num_slots = index.size(0) if index is not None else src.size(0)
+    block_m = config.block_m if config is not None else 32
+    block_n = config.block_n if config is not None else _block(N, 16, 128)
+    wrap_triton(_group_sum_kernel)[(E * triton.cdiv(N, block_n),)](
+        src, index, scale, offs, out,
+        num_slots, src.size(0), N, E,
+        src.stride(0), src.stride(1),
+        out.stride(0), out.stride(1),
+        HAS_INDEX=index is not None,
+        HAS_SCALE=scale is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+
+
+def _slot_bias_dot(grad: Tensor, b2: Tensor, offs: Tensor, token: Tensor,
+                   acc_dtype: torch.dtype) -> Tensor:
+    """``<grad[token(i)], b2[e]>`` per slot ``i`` of expert ``e`` (0 for padding and the slots
+    past ``offs[-1]``), with ATen ops: the term the dA kernel adds when there are columns of F."""
+    S = token.size(0)
+    if grad.size(0) == 0 or offs.size(0) == 0:
+        # no token or no expert: every slot is padding
+        return torch.zeros(S, dtype=acc_dtype, device=grad.device)
+    slots = torch.arange(S, dtype=offs.dtype, device=offs.device)
+    # the group of slot i: the number of group ends at or before it
+    expert = torch.searchsorted(offs, slots, right=True)
+    ok = (token >= 0) & (expert < offs.size(0))
+    rows = grad.index_select(0, token.clamp(min=0)).to(acc_dtype)
+    bias = b2.index_select(0, expert.clamp(max=offs.size(0) - 1)).to(acc_dtype)
+    return torch.where(ok, (rows * bias).sum(1), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

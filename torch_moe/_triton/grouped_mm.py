@@ -156,6 +156,7 @@ def _grouped_mm_rows_kernel(
     dot_x_ptr,
     dot_index_ptr,
     dot_ptr,
+    bias_ptr,
     num_rows,
     num_in_rows,
     num_out_rows,
@@ -172,12 +173,15 @@ def _grouped_mm_rows_kernel(
     stride_on,
     stride_dm,
     stride_dn,
+    stride_be,
+    stride_bn,
     HAS_GATHER: tl.constexpr,
     HAS_SCATTER: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_OUT: tl.constexpr,
     HAS_ROW_DOT: tl.constexpr,
     HAS_DOT_INDEX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -197,6 +201,11 @@ def _grouped_mm_rows_kernel(
     are stored to ``dot[col_tile, i]`` (``[cdiv(N, BLOCK_N), num_rows]``, zero-initialised, in
     the accumulation dtype), one partial sum per column tile for a fixed-order sum by the
     caller: no atomics. A slot padded on any side (gather, scatter or dot index) gives 0.
+
+    ``HAS_BIAS``: ``bias[g]`` (``[num_groups, N]``, any float dtype) is added to the rows of group
+    ``g`` in the accumulation dtype, after the row-dot products and before the scale: the
+    down projection of an FFN with a bias, ``scale_i * (x_i @ w[g] + bias[g])``. Padded slots and
+    the tail get no bias.
     grid = ``((cdiv(num_rows, BLOCK_M) + num_groups) * cdiv(N, BLOCK_N),)``.
     """
     pid = tl.program_id(0)
@@ -273,6 +282,13 @@ def _grouped_mm_rows_kernel(
         # 64-bit: the column tile times the number of rows can pass 2**31
         col_tile = (pid % col_tiles).to(tl.int64)
         tl.store(dot_ptr + col_tile * num_rows + rows, dots, mask=row_ok)
+    if HAS_BIAS:
+        # the rows of the group that read a row (a padded slot stays an exact zero row, even
+        # against an Inf bias); the tail and programs past the last tile load nothing
+        # (a comparison, not col_ok & is_group, which the interpreter cannot use as a mask)
+        bias = tl.load(bias_ptr + seg.to(tl.int64) * stride_be + cols * stride_bn,
+                       mask=cols < tl.where(is_group, N, 0), other=0.0)
+        acc = acc + tl.where((src_ok & in_group)[:, None], bias.to(acc.dtype)[None, :], 0.0)
     if HAS_SCALE:
         # not loaded on the tail, which stays exactly zero whatever the scale holds there
         scale = tl.load(scale_ptr + rows, mask=in_group, other=0.0)
@@ -493,9 +509,11 @@ def _launch_rows(
     dot_x: Optional[Tensor] = None,
     dot_index: Optional[Tensor] = None,
     dot_out: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
 ) -> None:
     """Launches the rows kernel: x ``[R, K]``, w ``[E, K, N]`` (any strides), ``num_rows`` = S
     slots; writes ``out`` (``[S, N]``) or, with ``scatter_index``, adds into it (None: nothing).
+    ``bias`` ``[E, N]`` (any strides): added to each group's rows before ``scale``.
     Autotuned (``config=None``), a scattered launch zeroes ``out`` between its measured runs:
     ``out`` must then hold zeros on entry; accumulating onto other values needs a ``config``.
 
@@ -525,6 +543,7 @@ def _launch_rows(
         dot_x,
         dot_index,
         dot_out,
+        bias,
         num_rows,
         x.size(0),
         out.size(0) if out is not None else 0,
@@ -541,6 +560,8 @@ def _launch_rows(
         out.stride(1) if out is not None else 0,
         dot_x.stride(0) if dot_x is not None else 0,
         dot_x.stride(1) if dot_x is not None else 0,
+        bias.stride(0) if bias is not None else 0,
+        bias.stride(1) if bias is not None else 0,
     )
     flags = dict(
         HAS_GATHER=gather_index is not None,
@@ -549,6 +570,7 @@ def _launch_rows(
         HAS_OUT=out is not None,
         HAS_ROW_DOT=dot_out is not None,
         HAS_DOT_INDEX=dot_index is not None,
+        HAS_BIAS=bias is not None,
         INPUT_PRECISION=_input_precision(x.dtype),
         # the candidates share the table's BLOCK_K; a guard, not a symbol, under dynamic shapes
         EVEN_K=bool(K % table.block_k == 0),
