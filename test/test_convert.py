@@ -237,11 +237,11 @@ class TestHFConversionErrors(TestCase):
         moe = make_moe("mixtral")
         self.assertExpectedInline(
             self.message(load_hf_moe_state_dict, moe, {}, style="llama"),
-            """load_hf_moe_state_dict: expected style in ('mixtral', 'qwen3_moe', 'deepseek_v3'), but got 'llama'""",
+            """load_hf_moe_state_dict: expected style in ('mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss'), but got 'llama'""",
         )
         self.assertExpectedInline(
             self.message(hf_moe_state_dict, moe, style="Mixtral"),
-            """hf_moe_state_dict: expected style in ('mixtral', 'qwen3_moe', 'deepseek_v3'), but got 'Mixtral'""",
+            """hf_moe_state_dict: expected style in ('mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss'), but got 'Mixtral'""",
         )
 
     def test_prefix_without_dot(self):
@@ -258,21 +258,21 @@ class TestHFConversionErrors(TestCase):
             load_hf_moe_state_dict(make_moe("mixtral"), sd, prefix=CASES["mixtral"][1])
         self.assertExpectedInline(
             self.load_error("mixtral", sd),
-            """load_hf_moe_state_dict: missing keys for style 'mixtral' under prefix 'model.layers.0.block_sparse_moe.': ['model.layers.0.block_sparse_moe.experts.3.w2.weight']""",
+            """load_hf_moe_state_dict: missing keys for style 'mixtral' (checkpoint layout) under prefix 'model.layers.0.block_sparse_moe.': ['model.layers.0.block_sparse_moe.experts.3.w2.weight']; pass strict=False to load the others and get the missing keys back""",
         )
 
     def test_many_missing_keys_are_elided(self):
         sd = {k: v for k, v in random_hf_state_dict("mixtral").items() if not k.endswith("w3.weight")}
         self.assertExpectedInline(
             self.load_error("mixtral", sd),
-            """load_hf_moe_state_dict: missing keys for style 'mixtral' under prefix 'model.layers.0.block_sparse_moe.': ['model.layers.0.block_sparse_moe.experts.0.w3.weight', 'model.layers.0.block_sparse_moe.experts.1.w3.weight', 'model.layers.0.block_sparse_moe.experts.2.w3.weight', 'model.layers.0.block_sparse_moe.experts.3.w3.weight', 'model.layers.0.block_sparse_moe.experts.4.w3.weight', 'model.layers.0.block_sparse_moe.experts.5.w3.weight', ... (2 more)]""",
+            """load_hf_moe_state_dict: missing keys for style 'mixtral' (checkpoint layout) under prefix 'model.layers.0.block_sparse_moe.': ['model.layers.0.block_sparse_moe.experts.0.w3.weight', 'model.layers.0.block_sparse_moe.experts.1.w3.weight', 'model.layers.0.block_sparse_moe.experts.2.w3.weight', 'model.layers.0.block_sparse_moe.experts.3.w3.weight', 'model.layers.0.block_sparse_moe.experts.4.w3.weight', 'model.layers.0.block_sparse_moe.experts.5.w3.weight', ... (2 more)]; pass strict=False to load the others and get the missing keys back""",
         )
 
     def test_missing_shared_expert(self):
         moe = MoE(make_config(num_experts=6, num_shared_experts=1, shared_expert_gate=True))
         self.assertExpectedInline(
             self.load_error("qwen3_moe", random_hf_state_dict("qwen3_moe"), moe=moe),
-            """load_hf_moe_state_dict: missing keys for style 'qwen3_moe' under prefix 'model.layers.1.mlp.': ['model.layers.1.mlp.shared_expert.down_proj.weight', 'model.layers.1.mlp.shared_expert.gate_proj.weight', 'model.layers.1.mlp.shared_expert.up_proj.weight', 'model.layers.1.mlp.shared_expert_gate.weight']""",
+            """load_hf_moe_state_dict: missing keys for style 'qwen3_moe' (checkpoint layout) under prefix 'model.layers.1.mlp.': ['model.layers.1.mlp.shared_expert.down_proj.weight', 'model.layers.1.mlp.shared_expert.gate_proj.weight', 'model.layers.1.mlp.shared_expert.up_proj.weight', 'model.layers.1.mlp.shared_expert_gate.weight']; pass strict=False to load the others and get the missing keys back""",
         )
 
     def test_unexpected_key(self):
@@ -280,7 +280,7 @@ class TestHFConversionErrors(TestCase):
         sd["model.layers.0.block_sparse_moe.gate.bias"] = torch.zeros(8)
         self.assertExpectedInline(
             self.load_error("mixtral", sd),
-            """load_hf_moe_state_dict: unexpected keys for style 'mixtral' under prefix 'model.layers.0.block_sparse_moe.': ['model.layers.0.block_sparse_moe.gate.bias']""",
+            """load_hf_moe_state_dict: unexpected keys for style 'mixtral' (checkpoint layout) under prefix 'model.layers.0.block_sparse_moe.': ['model.layers.0.block_sparse_moe.gate.bias']""",
         )
 
     def test_unexpected_shared_expert(self):
@@ -288,7 +288,7 @@ class TestHFConversionErrors(TestCase):
         sd = random_hf_state_dict("qwen3_moe_shared")
         self.assertExpectedInline(
             self.load_error("qwen3_moe_shared", sd, moe=MoE(make_config(num_experts=4))),
-            """load_hf_moe_state_dict: unexpected keys for style 'qwen3_moe' under prefix 'model.layers.2.mlp.': ['model.layers.2.mlp.shared_expert.down_proj.weight', 'model.layers.2.mlp.shared_expert.gate_proj.weight', 'model.layers.2.mlp.shared_expert.up_proj.weight', 'model.layers.2.mlp.shared_expert_gate.weight']""",
+            """load_hf_moe_state_dict: unexpected keys for style 'qwen3_moe' (checkpoint layout) under prefix 'model.layers.2.mlp.': ['model.layers.2.mlp.shared_expert.down_proj.weight', 'model.layers.2.mlp.shared_expert.gate_proj.weight', 'model.layers.2.mlp.shared_expert.up_proj.weight', 'model.layers.2.mlp.shared_expert_gate.weight']""",
         )
 
     def test_shape_mismatch(self):
@@ -364,11 +364,11 @@ class TestHFConversionErrors(TestCase):
         )
         self.assertExpectedInline(
             self.load_error("mixtral", {}, moe=MoE(make_config(num_experts=8, activation="gelu"))),
-            """load_hf_moe_state_dict: style 'mixtral' has gated experts (gate and up projections), but the MoE has activation='gelu'; use activation='swiglu'""",
+            """load_hf_moe_state_dict: style 'mixtral' has SiLU-gated experts (gate and up projections), but the MoE has activation='gelu'; use activation='swiglu'""",
         )
         self.assertExpectedInline(
             self.load_error("qwen3_moe", {}, moe=MoE(make_config(num_experts=8, router_bias=True))),
-            """load_hf_moe_state_dict: style 'qwen3_moe' has no router bias, but the MoE has router_bias=True""",
+            """load_hf_moe_state_dict: style 'qwen3_moe' has no biases, but the MoE has router_bias=True""",
         )
         moe = MoE(make_config(num_experts=8, num_shared_experts=1, shared_expert_gate=True))
         self.assertExpectedInline(
