@@ -30,6 +30,11 @@ setup(
         # only where that torch is the one you want
         # torchtitan 0.3.0 imports triton at import time
         "bench": ["torchtitan==0.3.0", "triton>=3.8", "matplotlib>=3.7"],
+        # the tests and benchmarks against transformers' own MoE blocks (test/test_hf_models.py,
+        # benchmarks/hf_models.py); 5.24 is the first with every block's experts fused in memory
+        # as the swapped blocks read them. transformers does not depend on torch, so it never
+        # replaces the installed one
+        "hf": ["transformers>=5.24,<6"],
         # the PNGs of benchmarks/sparsity_sweep.py, without torchtitan
         "plots": ["matplotlib>=3.7"],
     },
