@@ -21,6 +21,20 @@ What has no rule, and why:
   token rows, which no placement describes; the expert-parallel dispatcher moves those rows with
   an all-to-all and runs the ops on local tensors with local offsets.
 * ``offs`` is read on the host by CPU kernels and defines the groups: always Replicate.
+
+The expert biases of ``grouped_ffn`` (b1, b3 of the up projections, b2 of the down projection)
+follow their weights. With F sharded, b1 / b3 shard their F columns like w1 / w3 (``Shard(1)``;
+the ``[E, 2F]`` b1 of a fused w13 ``_StridedShard(1, split_factor=2)``, the layout of w13's
+columns). b2 is added after the down projection, which is a partial sum over the F shards: a
+rank that added all of b2 to its partial output would count it once per shard. So the rule
+takes b2 ``Partial``: each rank adds its part and the sum over the ranks holds b2 exactly once,
+whatever the split. A replicated b2 is redistributed to ``Partial`` by DTensor, which divides it
+by the mesh dim's size (exact for a power of two); a caller that wants no division passes b2
+as ``Partial`` already (b2 on one rank, zeros on the others). The backward takes b2 the same
+way, since the routing weights' gradient ``<grad, a @ w2 + b2>`` is then a sum of per-rank
+terms too, and gives ``grad_b2`` ``Replicate`` (every rank sees the whole output gradient). The
+output is linear in (w2, b2) together, not in either alone: the rule with w2 ``Partial`` takes
+b2 ``Partial``. The expert dim has no rule (see above), for the biases neither.
 """
 
 from __future__ import annotations
@@ -203,22 +217,42 @@ def _ffn_weight_f_shards(activation: str, has_w3: bool):
     return [w1, Shard(1)] + ([Shard(2)] if has_w3 else [])
 
 
+def _ffn_biases(args, kwargs, first: int) -> list[str]:
+    """The names of the biases grouped_ffn(_backward) is given, in the order DTensor counts its
+    tensor inputs: the positional ones (from argument ``first`` on: b1, b2, b3), then the
+    keyword ones in the order they were passed."""
+    names = [n for n, b in zip(("b1", "b2", "b3"), args[first:first + 3]) if b is not None]
+    return names + [n for n, b in kwargs.items() if n in ("b1", "b2", "b3") and b is not None]
+
+
+def _bias_f_shards(gated: bool, has_w3: bool, biases: list[str]) -> list:
+    """Placements of the biases (in the order of ``biases``) on a mesh dim that shards F: b1 /
+    b3 like their weights' columns, b2 Partial (added once over the F shards; see the module
+    docstring)."""
+    # the [E, 2F] b1 of a fused w13 is cat(gate, up), sharded as w13's columns are
+    b1 = StridedShard(1, split_factor=2) if gated and not has_w3 else Shard(1)
+    return [{"b1": b1, "b2": P, "b3": Shard(1)}[n] for n in biases]
+
+
 @register_single_dim_strategy(ops.grouped_ffn.default, _schema(6, "activation", "alpha", "limit"))
 def grouped_ffn_strategy(op, args, kwargs):
-    # (out [T, D], hidden [S, *]) <- x, sorted_ids, offs, topk_weights, w1, w2, w3?
+    # (out [T, D], hidden [S, *]) <- x, sorted_ids, offs, topk_weights, w1, w2, w3?, b1?, b2?,
+    # b3? (the biases in the order they were passed)
     x, sorted_ids, offs, topk_weights, w1, w2, w3, activation = (list(args) + [None] * 8)[:8]
     activation = activation or kwargs.get("activation", "swiglu")
-    if _has_biases(args, kwargs, 10):
-        return []  # expert biases: Replicate only, so far
+    biases = _ffn_biases(args, kwargs, 10)
     has_w3 = w3 is not None
     gated = activation in GATED_ACTIVATIONS
     n_w = 3 if has_w3 else 2
+    no_bias = [R] * len(biases)
     return [
-        # expert tensor parallel: F sharded, the down projection contracts it
-        [P, _hidden_f_shard(gated), R, R, R, R, *_ffn_weight_f_shards(activation, has_w3)],
-        # linear in the routing weights, and in the down projection
-        [P, R, R, R, R, P, *([R] * n_w)],
-        [P, R, R, R, R, R, R, P, *([R] * (n_w - 2))],
+        # expert tensor parallel: F sharded, the down projection contracts it (b2 Partial)
+        [P, _hidden_f_shard(gated), R, R, R, R, *_ffn_weight_f_shards(activation, has_w3),
+         *_bias_f_shards(gated, has_w3, biases)],
+        # linear in the routing weights, which scale b2 too
+        [P, R, R, R, R, P, *([R] * n_w), *no_bias],
+        # linear in the down projection (w2, b2) together
+        [P, R, R, R, R, R, R, P, *([R] * (n_w - 2)), *[P if n == "b2" else R for n in biases]],
     ]
 
 
@@ -226,29 +260,35 @@ def grouped_ffn_strategy(op, args, kwargs):
     ops.grouped_ffn_backward.default, _schema(7, "activation", "alpha", "limit", "output_mask")
 )
 def grouped_ffn_backward_strategy(op, args, kwargs):
-    # (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3)
-    #   <- grad, x, sorted_ids, offs, topk_weights, w1, w2, w3?, hidden
-    # (the bias gradients follow, empty without biases)
+    # (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3)
+    #   <- grad, x, sorted_ids, offs, topk_weights, w1, w2, w3?, hidden, b1?, b2?, b3?
+    # (an absent w3 or bias has an empty gradient: Replicate)
     (grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, activation) = (
         list(args) + [None] * 10
     )[:10]
-    if _has_biases(args, kwargs, 13):
-        return []  # expert biases: Replicate only, so far
+    activation = activation or kwargs.get("activation")
+    biases = _ffn_biases(args, kwargs, 13)
     has_w3 = w3 is not None
     gated = activation in GATED_ACTIVATIONS
     weights = _ffn_weight_f_shards(activation, has_w3)
     grad_w3 = weights[2] if has_w3 else R  # an empty tensor when there is no w3
     n_w = 3 if has_w3 else 2
-    no_bias = [R, R, R]
+    in_f = _bias_f_shards(gated, has_w3, biases)
+    # the gradients of b1 / b3 are sharded like the biases; that of b2 is whole on every rank
+    f_grads = {n: R if n == "b2" else p for n, p in zip(biases, in_f)}
+
+    def bias_grads(placement_of):
+        return [placement_of(n) if n in biases else R for n in ("b1", "b2", "b3")]
+
+    no_bias = [R] * len(biases)
     return _masked([
-        [P, P, weights[0], weights[1], grad_w3, *no_bias, R, R, R, R, R, *weights,
-         _hidden_f_shard(gated)],
-        [P, P, P, P, P if has_w3 else R, *no_bias, P, R, R, R, R, *([R] * n_w), R],
-        [P, R, P, P, P if has_w3 else R, *no_bias, R, R, R, R, P, *([R] * n_w), R],
+        # F sharded; b2 Partial: the routing weights' gradient <grad, b2> is a per-rank term
+        [P, P, weights[0], weights[1], grad_w3, *bias_grads(f_grads.get), R, R, R, R, R,
+         *weights, _hidden_f_shard(gated), *in_f],
+        # linear in grad
+        [P, P, P, P, P if has_w3 else R, *bias_grads(lambda n: P), P, R, R, R, R, *([R] * n_w),
+         R, *no_bias],
+        # linear in the routing weights, except their own gradient (which they do not enter)
+        [P, R, P, P, P if has_w3 else R, *bias_grads(lambda n: P), R, R, R, R, P, *([R] * n_w),
+         R, *no_bias],
     ], _output_mask(args, kwargs, 12))
-
-
-def _has_biases(args, kwargs, first: int) -> bool:
-    """Whether grouped_ffn(_backward) gets any of b1, b2, b3 (from argument ``first`` on)."""
-    given = list(args[first:]) + [kwargs.get(n) for n in ("b1", "b2", "b3")]
-    return any(b is not None for b in given)
