@@ -186,6 +186,19 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cdt: torch.dty
         out.copy_(torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt), out=scratch))
 
 
+def _row(b, g: int):
+    """Row ``g`` of an optional per-expert bias ``b [E, N]`` (None without one)."""
+    return b[g] if b is not None else None
+
+
+def _mm_bias(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
+    """out = a @ b (+ bias, one row broadcast over the rows of out): addmm adds the bias in the
+    GEMM's epilogue (beta * C), with no pass of its own over out."""
+    if bias is None:
+        return torch.mm(a, b, out=out)
+    return torch.addmm(bias, a, b, out=out)
+
+
 def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
     """A contiguous gradient for the [E, ...] weight ``w``; only experts without rows are zeroed.
 
@@ -601,8 +614,9 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     op = "torch_moe.grouped_ffn"
     _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
                                      b1=b1, b2=b2, b3=b3)
-    _no_biases_yet(op, b1, b2, b3)
     bounds, last, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
+    # [E, F | 2F | D] each, tiny next to the weights: converted whole, once
+    b1_c, b2_c, b3_c = (_gemm_operand(b, cdt) if b is not None else None for b in (b1, b2, b3))
     gated = activation in _checks.GATED_ACTIVATIONS
     D = x.size(1)
     H = 2 * F if gated else F
@@ -622,10 +636,10 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
         for g, s, e in groups:
             w_up, w_up3 = experts.up(g)
             if w_up3 is None:
-                torch.mm(X[s - bs : e - bs], w_up, out=h[s - bs : e - bs])
+                _mm_bias(h[s - bs : e - bs], X[s - bs : e - bs], w_up, _row(b1_c, g))
             else:
-                torch.mm(X[s - bs : e - bs], w_up, out=h[s - bs : e - bs, :F])
-                torch.mm(X[s - bs : e - bs], w_up3, out=h[s - bs : e - bs, F:])
+                _mm_bias(h[s - bs : e - bs, :F], X[s - bs : e - bs], w_up, _row(b1_c, g))
+                _mm_bias(h[s - bs : e - bs, F:], X[s - bs : e - bs], w_up3, _row(b3_c, g))
         # padded slots store zeros, whatever the weights of their group hold
         _zero_rows_(h, pad_b)
         if h.dtype != hidden.dtype:
@@ -636,7 +650,8 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
         act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
         o = bufs.get("o", n, D, cdt)
         for g, s, e in groups:
-            torch.mm(act[s - bs : e - bs], experts.down(g), out=o[s - bs : e - bs])
+            _mm_bias(o[s - bs : e - bs], act[s - bs : e - bs], experts.down(g), _row(b2_c, g))
+        # the routing weight scales the down bias too (gpt-oss)
         o.mul_(weight[bs:be].unsqueeze(1))
         _zero_rows_(o, pad_b)
         _index_add_rows_(out_acc, r, o)
@@ -649,12 +664,14 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
     op = "torch_moe.grouped_ffn_backward"
     _, F = _checks.check_grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3,
                                               hidden, activation, output_mask, b1=b1, b2=b2, b3=b3)
-    _no_biases_yet(op, b1, b2, b3)
-    want_x, want_topk, want_w1, want_w2, want_w3 = output_mask[:5]
+    want_x, want_topk, want_w1, want_w2, want_w3, want_b1, want_b2, want_b3 = output_mask
     want_w3 = want_w3 and w3 is not None
-    # dA = G @ w2^T feeds grad_topk and dH; dH feeds grad_x, grad_w1 and grad_w3; the activation
-    # act(h) feeds grad_topk and grad_w2. Nothing an unrequested gradient alone needs is computed.
-    want_dH = want_x or want_w1 or want_w3
+    want_b1, want_b2, want_b3 = (want and b is not None
+                                 for want, b in ((want_b1, b1), (want_b2, b2), (want_b3, b3)))
+    # dA = G @ w2^T feeds grad_topk and dH; dH feeds grad_x, grad_w1, grad_w3, grad_b1 and
+    # grad_b3; the activation act(h) feeds grad_topk and grad_w2; grad_b2 needs G only. Nothing
+    # an unrequested gradient alone needs is computed.
+    want_dH = want_x or want_w1 or want_w3 or want_b1 or want_b3
     want_dA = want_topk or want_dH
     want_act = want_topk or want_w2
     bounds, _, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
@@ -672,7 +689,14 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
     grad_weight_sorted = (
         torch.zeros(sorted_ids.size(0), dtype=acc, device=x.device) if want_topk else None
     )
-    for bs, be, groups in _blocks(bounds) if (want_dA or want_w2) else ():
+    # bias gradients: per-expert row sums accumulated in fp32 (fp64), rounded once at the end;
+    # zeros for the experts without rows
+    grad_b1, grad_b2, grad_b3 = (
+        torch.zeros(b.shape, dtype=acc, device=x.device) if want else None
+        for want, b in ((want_b1, b1), (want_b2, b2), (want_b3, b3))
+    )
+    b2_acc = _gemm_operand(b2, acc) if (want_topk and b2 is not None) else None
+    for bs, be, groups in _blocks(bounds) if (want_dA or want_w2 or want_b2) else ():
         n = be - bs
         r = rows[bs:be]
         w = weight[bs:be].unsqueeze(1)
@@ -698,9 +722,32 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
             for g, s, e in groups:
                 _mm_into(grad_w2[g], act[s - bs : e - bs].t(), G[s - bs : e - bs], cdt,
                          bufs.get("dw2", F, D, cdt))
+        if want_b2 or (want_topk and b2 is not None):
+            # G in the accumulation dtype for the GEMVs of the down bias (converted where the
+            # GEMMs run in bf16 / fp16)
+            G_acc = G if G.dtype == acc else bufs.get("g_acc", n, D, acc).copy_(G)
+            w_acc = _gemm_operand(w.squeeze(1), acc)
+            for g, s, e in groups:
+                rows_g = slice(s - bs, e - bs)
+                if want_topk:
+                    # the routing weight scales the down bias too: d out / d w_i gains
+                    # <G_i, b2[e]>
+                    grad_weight_sorted[s:e].addmv_(G_acc[rows_g], b2_acc[g])
+                if want_b2:
+                    # d b2[e] = sum over the rows of e of w_i * G_i = G^T @ w
+                    torch.mv(G_acc[rows_g].t(), w_acc[rows_g], out=grad_b2[g])
         if want_dH:
             dH = _zero_rows_(activation_backward(activation, dA.mul_(w), h,
                                                  bufs.get("dh", n, H, cdt), alpha, limit), pad_b)
+            # d b1 (d b3) = the row sums of the gate (up) half of dH per expert; a fused w13's
+            # b1 takes all of dH
+            split = w3 is not None
+            for g, s, e in groups if (want_b1 or want_b3) else ():
+                dHg = dH[s - bs : e - bs]
+                if want_b1:
+                    torch.sum(dHg[:, :F] if split else dHg, 0, dtype=acc, out=grad_b1[g])
+                if want_b3:
+                    torch.sum(dHg[:, F:], 0, dtype=acc, out=grad_b3[g])
             _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs,
                              grad_w1, grad_w3, grad_x)
     if want_topk:
@@ -716,15 +763,10 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
         grad_w1 if want_w1 else _empty_output(w1),
         grad_w2 if want_w2 else _empty_output(w2),
         grad_w3 if want_w3 else _empty_output(w3 if w3 is not None else w1),
-        _empty_output(w1),
-        _empty_output(w1),
-        _empty_output(w1),
+        *(gb.to(b.dtype) if want else _empty_output(w1)
+          for gb, want, b in ((grad_b1, want_b1, b1), (grad_b2, want_b2, b2),
+                              (grad_b3, want_b3, b3))),
     )
-
-
-def _no_biases_yet(op, b1, b2, b3):
-    if b1 is not None or b2 is not None or b3 is not None:
-        raise NotImplementedError(f"{op}: the CPU kernel does not take expert biases yet")
 
 
 def _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs, grad_w1, grad_w3,

@@ -125,24 +125,30 @@ def activation(kind, g, u=None, alpha=1.702, limit=7.0):
 
 
 def moe_ffn(x, topk_ids, topk_weights, w1, w2, w3=None, *, activation_kind="swiglu",
-            alpha=1.702, limit=7.0):
-    """Per (token, slot) loop: y[t] = sum_j w[t, j] * FFN_{ids[t, j]}(x[t])."""
+            alpha=1.702, limit=7.0, b1=None, b2=None, b3=None):
+    """Per (token, slot) loop: y[t] = sum_j w[t, j] * FFN_{ids[t, j]}(x[t]), with
+    FFN_e(x) = act(x @ w1[e] + b1[e], x @ w3[e] + b3[e]) @ w2[e] + b2[e] (each bias optional;
+    with a fused w13, b1 [E, 2F] holds the gate and the up bias)."""
     gated = activation_kind in ("swiglu", "geglu", "swiglu_oai")
     F_ = w2.size(1)
+
+    def affine(v, w, b, e):
+        return v @ w[e] + b[e] if b is not None else v @ w[e]
+
     out = []
     for t in range(x.size(0)):
         y = x.new_zeros(x.size(1))
         for j in range(topk_ids.size(1)):
             e = int(topk_ids[t, j])
-            h = x[t] @ w1[e]
+            h = affine(x[t], w1, b1, e)
             if gated and w3 is None:
                 g, u = h[:F_], h[F_:]
             elif gated:
-                g, u = h, x[t] @ w3[e]
+                g, u = h, affine(x[t], w3, b3, e)
             else:
                 g, u = h, None
             a = activation(activation_kind, g, u, alpha, limit)
-            y = y + topk_weights[t, j].to(x.dtype) * (a @ w2[e])
+            y = y + topk_weights[t, j].to(x.dtype) * affine(a, w2, b2, e)
         out.append(y)
     return torch.stack(out) if out else x.new_zeros((0, x.size(1)))
 

@@ -26,7 +26,9 @@ class SubclassHandlers(NamedTuple):
         moe_ffn: ``(x, topk_ids, topk_weights, w1, w2, w3, local_moe_ffn) -> y`` for
             :func:`torch_moe.nn.functional.moe_ffn`; ``local_moe_ffn`` takes the same six
             tensors as plain tensors (the arguments of ``moe_ffn`` already bound) and computes
-            the routed experts on them.
+            the routed experts on them. When expert biases are given they follow as keywords
+            ``b1=, b2=, b3=``, which ``local_moe_ffn`` takes too; a handler without those
+            parameters makes ``moe_ffn`` with biases raise.
         moe_layer: ``(moe, x, return_aux_loss) -> y`` for :meth:`torch_moe.nn.MoE.forward`.
     """
 

@@ -1,6 +1,7 @@
 """Functional MoE layers (counterpart of ``torch/nn/functional.py``)."""
 
 import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -41,11 +42,15 @@ def moe_ffn(
     precision: str = "bf16",
     scale_mode: str = "rceil",
     wgrad_high_precision: bool = False,
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    b3: Optional[Tensor] = None,
 ) -> Tensor:
     """The routed-expert computation of an MoE layer.
 
     ``y[t] = sum_j topk_weights[t, j] * FFN_e(x[t])`` with ``e = topk_ids[t, j]`` and
-    ``FFN_e(x) = act(x @ w1[e], x @ w3[e]) @ w2[e]`` (gated) or ``act(x @ w1[e]) @ w2[e]``.
+    ``FFN_e(x) = act(x @ w1[e] + b1[e], x @ w3[e] + b3[e]) @ w2[e] + b2[e]`` (gated) or
+    ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``, each bias optional.
 
     Args:
         x: tokens ``[T, D]``.
@@ -61,6 +66,11 @@ def moe_ffn(
         activation: ``"swiglu"``, ``"geglu"``, ``"swiglu_oai"`` (gpt-oss: gate clamped at
             ``limit``, up clamped to ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha *
             gate)``), ``"gelu"`` or ``"relu"``.
+        b1, b2, b3: expert biases (gpt-oss's ``gate_up_proj_bias`` and ``down_proj_bias``), in
+            the dtype and on the device of the weights, differentiable: b1 ``[E, F]`` of the
+            gate projection (``[E, 2F]``, gate then up, with a fused w13), b3 ``[E, F]`` of the
+            up projection (with a separate w3 only), b2 ``[E, D]`` of the down projection, which
+            the routing weight scales with the rest of the expert's output.
 
     Memory: the backward saves ``x``, the weights, the routing (``sorted_ids``, ``offs``,
     ``topk_weights``) and one pre-activation tensor ``hidden [T * k, 2F]`` (``[T * k, F]`` when
@@ -78,21 +88,62 @@ def moe_ffn(
     """
     kwargs = dict(activation=activation, alpha=alpha, limit=limit, precision=precision,
                   scale_mode=scale_mode, wgrad_high_precision=wgrad_high_precision)
+    biases = dict(b1=b1, b2=b2, b3=b3)
     _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, **kwargs)
+    _check_biases(x, w1, w2, w3, activation, **biases)
     handlers = subclass_handlers(x)
     if handlers is not None:
         # the subclass's owner runs the layer (a DTensor: every rank routes its own tokens),
-        # calling back into the plain computation on its local tensors
-        return handlers.moe_ffn(x, topk_ids, topk_weights, w1, w2, w3,
-                                functools.partial(_local_moe_ffn, **kwargs))
-    return _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, **kwargs)
+        # calling back into the plain computation on its local tensors; biases, as keywords,
+        # only to handlers that take them
+        local = functools.partial(_local_moe_ffn, **kwargs)
+        if b1 is None and b2 is None and b3 is None:
+            return handlers.moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, local)
+        _check_handler_takes_biases(handlers.moe_ffn, type(x))
+        return handlers.moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, local, **biases)
+    return _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, **kwargs, **biases)
 
 
-def _local_moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, **kwargs) -> Tensor:
+def _local_moe_ffn(x, topk_ids, topk_weights, w1, w2, w3, *, b1=None, b2=None, b3=None,
+                   **kwargs) -> Tensor:
     """:func:`moe_ffn` on the local tensors a subclass handler passes (its checks again, on the
     local shapes, then the routed experts)."""
     _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, **kwargs)
-    return _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, **kwargs)
+    _check_biases(x, w1, w2, w3, kwargs["activation"], b1=b1, b2=b2, b3=b3)
+    return _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, b1=b1, b2=b2, b3=b3, **kwargs)
+
+
+def _check_handler_takes_biases(handler, cls: type) -> None:
+    params = inspect.signature(handler).parameters
+    takes = all(n in params for n in ("b1", "b2", "b3")) or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not takes:
+        raise NotImplementedError(f"moe_ffn: the moe_ffn handler registered for {cls.__name__} "
+                                  "takes no expert biases (b1, b2, b3)")
+
+
+def _check_biases(x, w1, w2, w3, activation, *, b1, b2, b3) -> None:
+    """b1 ``[E, F]`` (``[E, 2F]`` with a fused w13), b3 ``[E, F]`` (with a separate w3 only),
+    b2 ``[E, D]``, each a floating tensor in the dtype and on the device of w1."""
+    fn = "moe_ffn"
+    fused = activation in GATED_ACTIVATIONS and w3 is None
+    if b3 is not None and w3 is None:
+        raise ValueError(f"{fn}: b3 is the bias of the up projection w3, but w3 is None"
+                         + (" (with a fused gate/up w1, pass both biases in b1 [E, 2F])"
+                            if fused else ""))
+    E, F, D = w1.size(0), w2.size(-2), x.size(-1)
+    expected = {"b1": ((E, 2 * F), "[E, 2F]: gate and up of a fused w1") if fused
+                else ((E, F), "[E, F]"),
+                "b2": ((E, D), "[E, D]"), "b3": ((E, F), "[E, F]")}
+    for name, b in (("b1", b1), ("b2", b2), ("b3", b3)):
+        if b is None:
+            continue
+        C.check_float_tensor(fn, name, b)
+        C.check_shape(fn, name, b, *expected[name])
+        if b.dtype != w1.dtype:
+            raise TypeError(f"{fn}: expected {name} in the dtype of w1 ({w1.dtype}), but got "
+                            f"{b.dtype}")
+        C.check_same_device(fn, name, b, "w1", w1)
 
 
 def _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, *, activation, alpha, limit, precision,
@@ -122,7 +173,7 @@ def _check_moe_ffn(x, topk_ids, topk_weights, w1, w2, *, activation, alpha, limi
 
 
 def _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, *, activation, alpha, limit,
-                    precision, scale_mode, wgrad_high_precision) -> Tensor:
+                    precision, scale_mode, wgrad_high_precision, b1, b2, b3) -> Tensor:
     """Token sort and the expert FFN of :func:`moe_ffn` on checked plain tensors."""
     if precision != "bf16":
         sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(
@@ -131,11 +182,11 @@ def _routed_experts(x, topk_ids, topk_weights, w1, w2, w3, *, activation, alpha,
         return quantized_expert_ffn(
             x, sorted_ids, offs, topk_weights, w1, w2, w3, activation=activation, alpha=alpha,
             limit=limit, precision=precision, scale_mode=scale_mode,
-            wgrad_high_precision=wgrad_high_precision,
+            wgrad_high_precision=wgrad_high_precision, b1=b1, b2=b2, b3=b3,
         )
     sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(topk_ids, w1.size(0))
     out, _ = torch.ops.torch_moe.grouped_ffn(
-        x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit
+        x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit, b1, b2, b3
     )
     return out
 

@@ -8,6 +8,10 @@ and the weighted combine (fp32 accumulation in ``unpermute``).
 Groups must be padded to the recipe's alignment (``GROUP_ALIGNMENT``: 16 FP8, 32 MXFP8), i.e.
 ``sorted_ids`` / ``offs`` come from ``token_sort(topk_ids, E, align=GROUP_ALIGNMENT[precision])``;
 the padding slots are zero rows that never reach the output.
+
+Expert biases are added in the input dtype to the outputs of the scaled GEMMs, one row per
+sorted slot (its expert's), and never to padding slots: those stay zero rows, so they move no
+quantization scale (an MXFP8 block of the weight gradient spans 32 slots of a group).
 """
 
 from typing import Optional
@@ -39,33 +43,54 @@ def quantized_expert_ffn(
     precision: str,
     scale_mode: str = "rceil",
     wgrad_high_precision: bool = False,
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    b3: Optional[Tensor] = None,
 ) -> Tensor:
-    """``out [T, D] = sum_j topk_weights[t, j] * act(x[t] @ w1[e], x[t] @ w3[e]) @ w2[e]`` with
-    the expert GEMMs in ``precision`` (``"fp8_rowwise"`` or ``"mxfp8"``).
+    """``out [T, D] = sum_j topk_weights[t, j] * (act(x[t] @ w1[e] + b1[e], x[t] @ w3[e] + b3[e])
+    @ w2[e] + b2[e])`` with the expert GEMMs in ``precision`` (``"fp8_rowwise"`` or ``"mxfp8"``).
 
     ``w1`` may be the fused gate/up projection ``[E, D, 2F]`` when ``w3`` is None and the
-    activation is gated (gate in ``[..., :F]``).
+    activation is gated (gate in ``[..., :F]``); its bias b1 is then ``[E, 2F]``. The biases
+    (b1 ``[E, F]``, b3 ``[E, F]``, b2 ``[E, D]``) are optional, in the dtype of the weights.
     """
     if precision not in RECIPES:
         raise ValueError(f"quantized_expert_ffn: expected precision in {RECIPES}, but got {precision!r}")
-    _check_shapes(x_TD, w1_EDF, w2_EFD, w3_EDF, activation in GATED_ACTIVATIONS)
+    gated = activation in GATED_ACTIVATIONS
+    _check_shapes(x_TD, w1_EDF, w2_EFD, w3_EDF, gated)
+    _check_biases(w1_EDF, w2_EFD, w3_EDF, gated, b1, b2, b3)
 
     def gmm(a, w):
         return ops.quantized_grouped_mm(a, w, offs_E, precision, scale_mode, wgrad_high_precision)
 
+    def add_bias(out_SN, b_EN):
+        return out_SN if b_EN is None else out_SN + _slot_rows(b_EN, sorted_ids_S, offs_E)
+
     top_k = topk_weights_TK.size(1)
     xs_SD = ops.permute(x_TD, sorted_ids_S, top_k)  # padding slots are zero rows
-    h_SF = gmm(xs_SD, w1_EDF)
-    if activation in GATED_ACTIVATIONS:
+    h_SF = add_bias(gmm(xs_SD, w1_EDF), b1)
+    if gated:
         if w3_EDF is None:
             gate, up = h_SF.chunk(2, dim=-1)
         else:
-            gate, up = h_SF, gmm(xs_SD, w3_EDF)
+            gate, up = h_SF, add_bias(gmm(xs_SD, w3_EDF), b3)
         a_SF = act_fn(activation, gate, up, alpha=alpha, limit=limit)
     else:
         a_SF = act_fn(activation, h_SF, alpha=alpha, limit=limit)
-    y_SD = gmm(a_SF, w2_EFD)
+    # the routing weights of unpermute scale the down bias too (gpt-oss)
+    y_SD = add_bias(gmm(a_SF, w2_EFD), b2)
     return ops.unpermute(y_SD, sorted_ids_S, topk_weights_TK)
+
+
+def _slot_rows(b_EN: Tensor, sorted_ids_S: Tensor, offs_E: Tensor) -> Tensor:
+    """``[S, N]``: row ``b[e]`` for each sorted slot of group ``e``, zero for the padding slots
+    (-1 in ``sorted_ids``, those past ``offs[-1]`` included). Differentiable in ``b``, with no
+    host synchronisation: the group of slot ``i`` is the number of group ends ``<= i``."""
+    E = b_EN.size(0)
+    slots = torch.arange(sorted_ids_S.size(0), device=offs_E.device, dtype=offs_E.dtype)
+    expert_S = torch.searchsorted(offs_E, slots, right=True).clamp_(max=E - 1)
+    rows = b_EN.index_select(0, expert_S)
+    return torch.where((sorted_ids_S >= 0).unsqueeze(1), rows, 0)
 
 
 def _check_shapes(x, w1, w2, w3, gated: bool) -> None:
@@ -83,6 +108,24 @@ def _check_shapes(x, w1, w2, w3, gated: bool) -> None:
     if w1.size(1) != D or tuple(w2.shape) != (E, F, D):
         raise ValueError(f"{op}: expected w1 [{E}, {D}, F] and w2 [{E}, {F}, {D}] for x [T, {D}], but "
                          f"got w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}")
+
+
+def _check_biases(w1, w2, w3, gated: bool, b1, b2, b3) -> None:
+    op = "quantized_expert_ffn"
+    E, F, D = w2.shape
+    fused = gated and w3 is None
+    if b3 is not None and w3 is None:
+        raise ValueError(f"{op}: b3 is the bias of the up projection w3, but w3 is None")
+    expected = {"b1": (E, 2 * F) if fused else (E, F), "b2": (E, D), "b3": (E, F)}
+    for name, b in (("b1", b1), ("b2", b2), ("b3", b3)):
+        if b is None:
+            continue
+        if tuple(b.shape) != expected[name]:
+            raise ValueError(f"{op}: expected {name} of shape {expected[name]}, but got "
+                             f"{tuple(b.shape)}")
+        if b.dtype != w1.dtype or b.device != w1.device:
+            raise TypeError(f"{op}: expected {name} in the dtype and on the device of w1 "
+                            f"({w1.dtype}, {w1.device}), but got {b.dtype} on {b.device}")
 
 
 def group_alignment(precision: str) -> int:
