@@ -2,15 +2,27 @@
 :func:`torch.distributed.tensor.parallel.parallelize_module`.
 
 Shape legend as in :mod:`torch_moe.nn.modules.moe`: T tokens of this rank, D model dim, F expert
-FFN dim, E experts, k experts per token. Expert weights: ``w1, w3 [E, D, F]``, ``w2 [E, F, D]``.
+FFN dim, E experts, k experts per token. Expert weights: ``w1, w3 [E, D, F]``, ``w2 [E, F, D]``
+(``w1 [E, D, 2F]`` and no w3 with ``fused_gate_up``); with ``ffn_bias`` the biases ``b1 [E, F]``
+(``[E, 2F]`` fused), ``b3 [E, F]``, ``b2 [E, D]``.
 
-* :class:`ExpertParallel`, 1-D mesh ``ep``: every weight ``Shard(0)`` (experts split over the
-  ranks); each rank holds its own tokens, which travel to their experts and back (all-to-all).
+* :class:`ExpertParallel`, 1-D mesh ``ep``: every weight and bias ``Shard(0)`` (experts split
+  over the ranks); each rank holds its own tokens, which travel to their experts and back
+  (all-to-all).
 * :class:`ExpertTensorParallel`, 2-D mesh ``(ep, tp)``: w1/w3 ``(Shard(0), Shard(2))``, w2
-  ``(Shard(0), Shard(1))`` (experts split over ``ep``, F over ``tp``); the ranks of a ``tp``
-  group hold the same tokens.
+  ``(Shard(0), Shard(1))`` (experts split over ``ep``, F over ``tp``), b1/b3 ``(Shard(0),
+  Shard(1))``, b2 ``(Shard(0), Replicate())``; the ranks of a ``tp`` group hold the same tokens.
 * :class:`TensorParallelExperts`, 1-D mesh ``tp``: w1/w3 ``Shard(2)``, w2 ``Shard(1)`` (F split,
-  all experts on every rank); all ranks hold the same tokens.
+  all experts on every rank), b1/b3 ``Shard(1)``, b2 ``Replicate()``; all ranks hold the same
+  tokens.
+
+The down bias b2 is added to each expert output after the down projection, which with F
+sharded is a partial sum over ``tp``: each ``tp`` rank adds ``b2 / tp`` (exact for a
+power-of-two ``tp``; :class:`TensorParallelExperts` through the sharding strategy of
+``grouped_ffn``, which takes b2 ``Partial``), so that the sum over ``tp`` holds b2 once; its
+gradient is the whole one on every ``tp`` rank. The tensor-parallel styles do not take
+``fused_gate_up`` (a ``Shard(2)`` of ``w1 [E, D, 2F]`` would give the first ranks gate columns
+only): they raise at parallelize time.
 
 A style applies to a :class:`~torch_moe.nn.GroupedExperts` or to a :class:`~torch_moe.nn.MoE`
 (then to its ``experts``; router and shared experts stay plain, replicated modules). The layer
@@ -67,8 +79,9 @@ reduction, rebalancing, checkpoints of the placement) is in
 :mod:`torch_moe.distributed.replicas`.
 
 Not supported (raise at parallelize time): ``precision`` other than ``"bf16"`` (the
-expert-parallel dispatcher runs the plain grouped FFN) and ``capacity_factor`` (the styles are
-dropless).
+expert-parallel dispatcher runs the plain grouped FFN), ``capacity_factor`` (the styles are
+dropless), ``fused_gate_up`` with the tensor-parallel styles, and ``ffn_bias`` with replicas of
+hot experts (the replica gradient reduction and rebalancing move the weights only).
 
 Worked example: a block with tensor-parallel attention and experts that are expert parallel
 with expert tensor parallelism, on 8 ranks ``(edp, ep, tp) = (2, 2, 2)``. Tokens are split over
@@ -155,8 +168,12 @@ from torch_moe.nn.modules.moe import GroupedExperts, MoE
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallelExperts"]
 
 _WEIGHTS = ("w1", "w2", "w3")
-# the FFN dim F of each weight: w1/w3 [E, D, F], w2 [E, F, D]
-_FFN_DIM = {"w1": 2, "w2": 1, "w3": 2}
+_BIASES = ("b1", "b2", "b3")
+# every expert parameter a style distributes (an absent one is None)
+_PARAMS = _WEIGHTS + _BIASES
+# the FFN dim F of each weight and of the biases of the up projections: w1/w3 [E, D, F],
+# w2 [E, F, D], b1/b3 [E, F]; b2 [E, D] has none (None: whole on every tensor-parallel rank)
+_FFN_DIM = {"w1": 2, "w2": 1, "w3": 2, "b1": 1, "b2": None, "b3": 1}
 # GroupedExperts.forward(x [T, D], sorted_ids, offs, topk_weights [T, k], topk_ids [T, k]): the
 # positions of its inputs (MoE passes all five positionally, as a forward pre-hook sees only
 # positional inputs); the plain grouped FFN reads the first four
@@ -177,6 +194,12 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _tensor_parallel_placement(name: str) -> "Shard | Replicate":
+    """The placement over ``tp`` of expert parameter ``name``: F sharded, b2 Replicate."""
+    dim = _FFN_DIM[name]
+    return Replicate() if dim is None else Shard(dim)
+
+
 def _local_expert_shard(w: Optional[Tensor], ep_degree: int) -> Optional[Tensor]:
     """The local shard of an expert weight (``to_local()`` is differentiable: the gradient of
     the shard lands on the DTensor parameter), its gradient averaged over the ``ep_degree``
@@ -192,6 +215,23 @@ def _local_expert_shard(w: Optional[Tensor], ep_degree: int) -> Optional[Tensor]
         return None
     w = w.to_local() if isinstance(w, DTensor) else w
     return w if ep_degree == 1 else _ScaleGradient.apply(w, 1.0 / ep_degree)
+
+
+class _ShareOfReplicated(torch.autograd.Function):
+    """``b / n``, this rank's share of a tensor replicated over ``n`` ranks whose partial results
+    are summed; backward passes the gradient unchanged.
+
+    Each of the ``n`` ranks adds ``b / n`` to its partial output and the loss depends on their
+    sum, whose gradient ``g`` every rank receives whole: ``d loss / d b = sum_r g / n = g``, the
+    same on every rank, as a replicated parameter's gradient must be (no reduction needed)."""
+
+    @staticmethod
+    def forward(ctx, b: Tensor, n: int) -> Tensor:
+        return b / n
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
 
 
 def _submesh(mesh: DeviceMesh, dim: int) -> DeviceMesh:
@@ -274,6 +314,15 @@ def _check_config(name: str, c) -> None:
         )
 
 
+def _refuse_fused_gate_up(name: str, c) -> None:
+    if c.fused_gate_up:
+        raise NotImplementedError(
+            f"{name}: fused_gate_up=True is not supported: the fused w1 [E, D, 2F] holds the "
+            "gate and up projections side by side, and sharding its last dim would give a "
+            "rank gate columns only; use fused_gate_up=False (separate w1 and w3)"
+        )
+
+
 class _ExpertStyle(ParallelStyle):
     """What the expert styles share: the checks at parallelize time, the partition of the
     weights and :func:`~torch.distributed.tensor.distribute_module` with the style's input and
@@ -287,6 +336,9 @@ class _ExpertStyle(ParallelStyle):
     def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
         raise NotImplementedError
 
+    def _check_features(self, experts: GroupedExperts) -> None:
+        """Raises for what of the experts' config this style does not compute exactly."""
+
     def _input_fn(self, mesh: DeviceMesh):
         """``input_fn`` of :func:`distribute_module`, or None."""
         return None
@@ -298,8 +350,8 @@ class _ExpertStyle(ParallelStyle):
     def _partition_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not isinstance(module, GroupedExperts):
             return
-        for w in _WEIGHTS:
-            param = getattr(module, w)
+        for w in _PARAMS:
+            param = getattr(module, w, None)
             if param is None:
                 continue
             dparam = distribute_tensor(param, device_mesh, self._placements(w),
@@ -337,6 +389,7 @@ class _ExpertStyle(ParallelStyle):
                 f"{device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}"
             )
         _check_config(name, experts.config)
+        self._check_features(experts)
         self._check_sizes(experts, device_mesh)
 
     def __repr__(self) -> str:
@@ -419,10 +472,15 @@ class _ExpertParallelHooks:
         # always-called forward hooks) cut short left its local shards in place: put the
         # DTensor parameters back before reading them again.
         self.restore(module)
-        call = _PendingCall({n: module._parameters[n] for n in _WEIGHTS
+        call = _PendingCall({n: module._parameters[n] for n in _PARAMS
                              if module._parameters.get(n) is not None}, None, None, None)
         for name, param in call.params.items():
-            module._parameters[name] = _local_expert_shard(param, self.ep_degree)
+            local = _local_expert_shard(param, self.ep_degree)
+            if name == "b2" and self.tp_mesh is not None:
+                # added after the down projection, a partial sum over tp: a share per rank
+                # (b2 / tp, exact for a power-of-two tp), whose gradient is the whole one
+                local = _ShareOfReplicated.apply(local, self.tp_mesh.size())
+            module._parameters[name] = local
         self._calls.pending = call
         try:
             w1, w2, w3 = (module._parameters.get(n) for n in _WEIGHTS)
@@ -578,6 +636,14 @@ class ExpertParallel(_DispatchingStyle):
     def _replicated(self) -> bool:
         return self.slots_per_rank is not None or self.placement is not None
 
+    def _check_features(self, experts: GroupedExperts) -> None:
+        if self._replicated() and experts.config.ffn_bias:
+            raise NotImplementedError(
+                f"{type(self).__name__}: expert biases (ffn_bias=True) are not supported with "
+                "replicas of hot experts (slots_per_rank / placement): the replica gradient "
+                "reduction and rebalancing move the expert weights only"
+            )
+
     def _initial_placement(self, experts: GroupedExperts, mesh: DeviceMesh) -> Placement:
         if self.placement is not None:
             return self.placement
@@ -647,7 +713,10 @@ class ExpertTensorParallel(_DispatchingStyle):
     _mesh_ndim = 2
 
     def _placements(self, name: str) -> list:
-        return [Shard(0), Shard(_FFN_DIM[name])]
+        return [Shard(0), _tensor_parallel_placement(name)]
+
+    def _check_features(self, experts: GroupedExperts) -> None:
+        _refuse_fused_gate_up(type(self).__name__, experts.config)
 
     def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
         super()._check_sizes(experts, mesh)
@@ -670,7 +739,10 @@ class TensorParallelExperts(_ExpertStyle):
     """
 
     def _placements(self, name: str) -> list:
-        return [Shard(_FFN_DIM[name])]
+        return [_tensor_parallel_placement(name)]
+
+    def _check_features(self, experts: GroupedExperts) -> None:
+        _refuse_fused_gate_up(type(self).__name__, experts.config)
 
     def _check_sizes(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
         _check_divides(type(self).__name__, "hidden_dim", experts.config.hidden_dim,
