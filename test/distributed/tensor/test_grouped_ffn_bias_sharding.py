@@ -19,12 +19,19 @@ is the single-device op's:
   from a ``Partial`` b2), the output gradient ``Partial``, the routing weights ``Partial``.
 * autograd end to end on the F-sharded layout, from Replicate biases: every gradient, gathered,
   equals the single-device autograd's (the division of b2 and its way back included).
+* the token-parallel handlers (``_token_parallel.py``) on a 2 x 2 mesh, tokens sharded on dim 0
+  and expert tensor parallel on dim 1 (F-sharded weights and b1 / b3, b2 replicated and added
+  once): the MoE layer with ``ffn_bias`` (separate w1 / w3, and ``fused_gate_up`` with
+  ``_StridedShard`` w13 and b1) and ``moe_ffn`` with biases, forward and backward against the
+  unsharded layer; the layouts they refuse (a bias not laid out like its weights, a fused w13
+  sharded with a plain ``Shard(2)``).
 
 Layouts: swiglu with separate w1 / w3 and each bias alone or all three, the fused w13 with its
 ``[E, 2F]`` b1 (swiglu_oai), and an ungated kind (relu). Shapes divide by 4.
 """
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -37,6 +44,8 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_moe  # noqa: F401  (registers torch.ops.torch_moe)
 import torch_moe.distributed.tensor  # noqa: F401  (registers the sharding strategies)
+from torch_moe.nn import MoE, MoEConfig
+from torch_moe.nn.functional import moe_ffn
 
 ops = torch.ops.torch_moe
 R, P = Replicate(), Partial()
@@ -120,11 +129,13 @@ class _Ranks:
     """DTensors of plain tensors on a 1-D mesh of ``ws`` simulated ranks (under
     LocalTensorMode)."""
 
-    def __init__(self, ws: int, mode: LocalTensorMode):
+    def __init__(self, ws: int, mode: LocalTensorMode, shape=None):
         self.ws, self.mode = ws, mode
-        self.mesh = init_device_mesh("cpu", (ws,))
+        self.mesh = init_device_mesh("cpu", shape or (ws,))
 
     def place(self, t, p):
+        """``t`` placed by ``p``: one placement (a 1-D mesh), or a tuple of them; Partial on a
+        1-D mesh only."""
         if t is None:
             return None
         if isinstance(p, Partial):
@@ -132,7 +143,11 @@ class _Ranks:
         # from a replicated LocalTensor: distribute_tensor of a plain tensor with a
         # _StridedShard gives every rank rank 0's shard under LocalTensorMode
         src = LocalTensor({r: t.clone() for r in range(self.ws)})
-        return distribute_tensor(src, self.mesh, (p,))
+        return distribute_tensor(src, self.mesh, p if isinstance(p, tuple) else (p,))
+
+    def replicated(self, t) -> LocalTensor:
+        """``t`` on every rank, as a plain tensor of the simulated ranks."""
+        return LocalTensor({r: t.clone() for r in range(self.ws)})
 
     def partial(self, t, exact: bool = False):
         """``t`` as a Partial(sum) DTensor: uneven parts with sign-alternating offsets (the last
@@ -155,23 +170,24 @@ class _Ranks:
     def full(self, d) -> torch.Tensor:
         return _value(d.full_tensor())
 
-    def compare(self, test: TestCase, actual: DTensor, expected: torch.Tensor, msg: str):
+    def compare(self, test: TestCase, actual: DTensor, expected: torch.Tensor, msg: str,
+                **tol):
         """``actual`` gathered against ``expected``, compared outside the mode (whose per-rank
         dispatch cannot build a mismatch message)."""
         full = self.full(actual)
         with self.mode.disable():
-            test.assertEqual(full, expected, msg=msg)
+            test.assertEqual(full, expected, msg=msg, **tol)
 
 
 @contextlib.contextmanager
-def _fake_world(ws: int):
+def _fake_world(ws: int, shape=None):
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=ws)
     try:
         mode = LocalTensorMode(frozenset(range(ws)))
         with mode:
-            yield _Ranks(ws, mode)
+            yield _Ranks(ws, mode, shape)
     finally:
         dist.destroy_process_group()
 
@@ -285,6 +301,112 @@ class TestGroupedFFNBiasSharding(TestCase):
                     if d[n] is None:
                         continue
                     ranks.compare(self, d[n].grad, ref_in[n].grad, f"{what}: {n}.grad")
+
+
+    # -- the token-parallel handlers, tokens on mesh dim 0 and expert TP on mesh dim 1 -------
+
+    @staticmethod
+    def _etp(fused: bool) -> dict:
+        """Parameter name -> placement on the expert-tensor-parallel mesh dim."""
+        if fused:
+            return {"w1": SS2, "w2": Shard(1), "b1": SS1}
+        return {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2), "b1": Shard(1),
+                "b3": Shard(1)}
+
+    def test_layer_tokens_and_expert_tensor_parallel(self):
+        for fused in (False, True):
+            cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K_TOP, ffn_bias=True,
+                            activation="swiglu_oai", swiglu_limit=LIMIT, fused_gate_up=fused)
+            torch.manual_seed(0)
+            moe = MoE(cfg).double()
+            with torch.no_grad():
+                for n in ("b1", "b2", "b3"):
+                    b = getattr(moe.experts, n)
+                    if b is not None:
+                        b.copy_(torch.randn(b.shape, generator=_gen(5), dtype=b.dtype))
+            x = torch.randn(2 * T, D, dtype=torch.float64, generator=_gen(3))
+            grad = torch.randn(2 * T, D, dtype=torch.float64, generator=_gen(4))
+            ref_x = x.clone().requires_grad_()
+            ref_y = moe(ref_x)
+            ref_y.backward(grad)
+            etp = self._etp(fused)
+            with _fake_world(4, (2, 2)) as ranks:
+                m = copy.deepcopy(moe)
+                m.zero_grad()
+                for name, prm in list(m.named_parameters()):
+                    owner, attr = name.rsplit(".", 1)
+                    pl = (R, etp.get(attr, R) if owner == "experts" else R)
+                    setattr(m.get_submodule(owner), attr,
+                            torch.nn.Parameter(ranks.place(prm.detach(), pl)))
+                xd = ranks.place(x, (Shard(0), R)).requires_grad_()
+                y = m(xd)
+                y.full_tensor().backward(ranks.replicated(grad))
+                what = f"fused={fused}"
+                ranks.compare(self, y, ref_y.detach(), f"{what}: y")
+                ranks.compare(self, xd.grad, ref_x.grad, f"{what}: x.grad")
+                ref_params = dict(moe.named_parameters())
+                for name, prm in m.named_parameters():
+                    # the router scores in fp32 whatever its parameters' dtype: its gradient
+                    # matches to fp32 rounding (the token shards sum it in another order)
+                    tol = {} if name.startswith("experts.") else {"atol": 1e-6, "rtol": 1e-5}
+                    ranks.compare(self, prm.grad, ref_params[name].grad, f"{what}: {name}.grad",
+                                  **tol)
+
+    def test_moe_ffn_tokens_and_expert_tensor_parallel(self):
+        from torch_moe.nn.functional import route
+
+        for fused in (False, True):
+            layout = "fused" if fused else "separate"
+            names = ("b1", "b2") if fused else ("b1", "b2", "b3")
+            p = _problem("swiglu", layout, names)
+            topk_weights, topk_ids = torch.rand(T, K_TOP, generator=_gen(6)), None
+            topk_ids = torch.stack([torch.randperm(E, generator=_gen(7 + t))[:K_TOP]
+                                    for t in range(T)])
+            topk_weights = topk_weights.double()
+            leaves = {n: p[n].clone().requires_grad_() for n in ("x", "w1", "w2", "w3") + names
+                      if p[n] is not None}
+            ref = moe_ffn(leaves["x"], topk_ids, topk_weights, leaves["w1"], leaves["w2"],
+                          leaves.get("w3"), b1=leaves.get("b1"), b2=leaves.get("b2"),
+                          b3=leaves.get("b3"))
+            ref.backward(p["grad"])
+            etp = self._etp(fused)
+            with _fake_world(4, (2, 2)) as ranks:
+                tok = (Shard(0), R)
+                d = {n: ranks.place(p[n], (R, etp.get(n, R))).requires_grad_() for n in leaves}
+                d["x"] = ranks.place(p["x"], tok).requires_grad_()
+                out = moe_ffn(d["x"], ranks.place(topk_ids, tok), ranks.place(topk_weights, tok),
+                              d["w1"], d["w2"], d.get("w3"), b1=d.get("b1"), b2=d.get("b2"),
+                              b3=d.get("b3"))
+                out.full_tensor().backward(ranks.replicated(p["grad"]))
+                ranks.compare(self, out, ref.detach(), f"{layout}: out")
+                for n, t in d.items():
+                    ranks.compare(self, t.grad, leaves[n].grad, f"{layout}: {n}.grad")
+
+    def test_refused_layouts(self):
+        p = _problem("swiglu", "fused", ("b1", "b2"))
+        ids = torch.zeros(T, K_TOP, dtype=torch.long)
+        with _fake_world(4, (2, 2)) as ranks:
+            tok = (Shard(0), R)
+            args = [ranks.place(p["x"], tok), ranks.place(ids, tok),
+                    ranks.place(p["topk_weights"], tok)]
+            cases = [
+                # the fused w13 cut into contiguous halves: rank 0 would hold gate columns only
+                ({"w1": Shard(2), "w2": Shard(1)}, {},
+                 "expected expert weights all Replicate, or the fused w1 "
+                 r"_StridedShard\(2, split_factor=2\) with w2 Shard\(1\)"),
+                ({"w1": SS2, "w2": Shard(1)}, {"b1": Shard(1)},
+                 r"expected the expert bias b1 to be _S\(1, 2\) \(as its weights are laid "
+                 r"out\), but got S\(1\)"),
+                ({"w1": SS2, "w2": Shard(1), "b1": SS1}, {"b2": Shard(1)},
+                 r"expected the expert bias b2 to be R \(as its weights are laid out\), but "
+                 r"got S\(1\)"),
+            ]
+            for weights, biases, msg in cases:
+                pl = {**weights, **biases}
+                d = {n: ranks.place(p[n], (R, pl.get(n, R))) for n in ("w1", "w2", "b1", "b2")}
+                with ranks.mode.disable(), self.assertRaisesRegex(ValueError, msg):
+                    with ranks.mode:
+                        moe_ffn(*args, d["w1"], d["w2"], None, b1=d["b1"], b2=d["b2"])
 
 
 if __name__ == "__main__":

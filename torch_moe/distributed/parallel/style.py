@@ -162,6 +162,7 @@ from torch_moe.distributed.dispatch import (
     expert_parallel_moe_ffn,
 )
 from torch_moe.distributed.placement import Placement, plan_placement, route_to_replicas
+from torch_moe.distributed.tensor._token_parallel import share_of_replicated
 from torch_moe.distributed.replicas import _layout, _physical_weight, _register_layout
 from torch_moe.nn.modules.moe import GroupedExperts, MoE
 
@@ -215,23 +216,6 @@ def _local_expert_shard(w: Optional[Tensor], ep_degree: int) -> Optional[Tensor]
         return None
     w = w.to_local() if isinstance(w, DTensor) else w
     return w if ep_degree == 1 else _ScaleGradient.apply(w, 1.0 / ep_degree)
-
-
-class _ShareOfReplicated(torch.autograd.Function):
-    """``b / n``, this rank's share of a tensor replicated over ``n`` ranks whose partial results
-    are summed; backward passes the gradient unchanged.
-
-    Each of the ``n`` ranks adds ``b / n`` to its partial output and the loss depends on their
-    sum, whose gradient ``g`` every rank receives whole: ``d loss / d b = sum_r g / n = g``, the
-    same on every rank, as a replicated parameter's gradient must be (no reduction needed)."""
-
-    @staticmethod
-    def forward(ctx, b: Tensor, n: int) -> Tensor:
-        return b / n
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
 
 
 def _submesh(mesh: DeviceMesh, dim: int) -> DeviceMesh:
@@ -479,7 +463,7 @@ class _ExpertParallelHooks:
             if name == "b2" and self.tp_mesh is not None:
                 # added after the down projection, a partial sum over tp: a share per rank
                 # (b2 / tp, exact for a power-of-two tp), whose gradient is the whole one
-                local = _ShareOfReplicated.apply(local, self.tp_mesh.size())
+                local = share_of_replicated(local, self.tp_mesh.size())
             module._parameters[name] = local
         self._calls.pending = call
         try:

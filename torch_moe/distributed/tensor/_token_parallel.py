@@ -20,6 +20,14 @@ replicated       ``Replicate``                     ``Replicate``                
 
 Gradients follow the same algebra (``in_grad_placements``): a parameter replicated over token
 shards, or any replicated tensor on an ETP dim, receives a ``Partial`` gradient.
+
+A fused gate/up weight ``w13 [E, D, 2F]`` (w3 None) is ``cat(gate, up)`` along its last dim: on
+an ETP dim a rank needs ``cat(gate_r, up_r)``, ``_StridedShard(2, split_factor=2)``. The expert
+biases follow their weights: on a token dim Replicate; on an ETP dim b1 / b3 ``Shard(1)`` (the
+``[E, 2F]`` b1 of a fused w13 ``_StridedShard(1, split_factor=2)``) and b2 Replicate. b2 is added
+after the down projection, which is a partial sum over the ETP dims, so each rank adds its
+share ``b2 / n`` (``n`` the ranks of the ETP dims; exact for a power of two), and the sum holds
+it once; its gradient, which every ETP rank sees whole, is Replicate there.
 """
 
 from __future__ import annotations
@@ -30,21 +38,62 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
+from torch_moe.distributed.tensor._compat import StridedShard
 from torch_moe.nn._subclass_hooks import register_subclass_handlers
 
-__all__ = ["MeshPlan", "plan_mesh", "token_parallel_moe_ffn", "moe_layer_forward"]
+__all__ = ["MeshPlan", "plan_mesh", "share_of_replicated", "token_parallel_moe_ffn",
+           "moe_layer_forward"]
 
 R = Replicate()
-# the expert-tensor-parallel layout: the FFN dim F sharded in every expert weight
-_ETP = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2)}
+_WEIGHTS = ("w1", "w2", "w3")
+_BIASES = ("b1", "b2", "b3")
+# the expert-tensor-parallel layout: the FFN dim F sharded in every expert weight and in the
+# biases of the up projections, the down bias b2 whole (each rank adds its share)
+_ETP = {"w1": Shard(2), "w2": Shard(1), "w3": Shard(2), "b1": Shard(1), "b2": R, "b3": Shard(1)}
+# with a fused w13 [E, D, 2F] = cat(gate, up) and its b1 [E, 2F]: cat(gate_r, up_r) per rank
+_ETP_FUSED = dict(_ETP, w1=StridedShard(2, split_factor=2), b1=StridedShard(1, split_factor=2))
+
+
+class _ShareOfReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, b: torch.Tensor, n: int) -> torch.Tensor:
+        return b / n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def share_of_replicated(b: torch.Tensor, n: int) -> torch.Tensor:
+    """``b / n``, a rank's share of a tensor replicated over ``n`` ranks that each add it to a
+    partial sum; the backward passes the gradient unchanged.
+
+    The loss depends on the sum of the ``n`` partial results, whose gradient ``g`` every rank
+    receives whole: ``d loss / d b = sum_r g / n = g``, the same on every rank, as the gradient
+    of a replicated tensor must be (no reduction needed). Exact for a power-of-two ``n``."""
+    return b if n == 1 else _ShareOfReplicated.apply(b, n)
 
 
 class MeshPlan:
     """What each mesh dimension does: ``kinds[i]`` is ``"token"``, ``"etp"`` or ``"replicate"``;
     ``token_dims[i]`` the tensor dim of ``x`` sharded on a token mesh dim."""
 
-    def __init__(self, mesh, kinds: list[str], token_dims: list[Optional[int]]):
+    def __init__(self, mesh, kinds: list[str], token_dims: list[Optional[int]],
+                 etp_layout: Optional[dict] = None):
         self.mesh, self.kinds, self.token_dims = mesh, kinds, token_dims
+        self.etp_layout = _ETP if etp_layout is None else etp_layout
+
+    def etp(self, name: str):
+        """The placement of expert parameter ``name`` (w1, ..., b3) on an ETP dim."""
+        return self.etp_layout[name]
+
+    def etp_degree(self) -> int:
+        """The number of ranks over the ETP dims: the F shards whose outputs are summed."""
+        n = 1
+        for i, k in enumerate(self.kinds):
+            if k == "etp":
+                n *= self.mesh.size(i)
+        return n
 
     def tokens(self) -> tuple:
         """Placements of a token-indexed tensor: sharded like x's token dim."""
@@ -82,12 +131,17 @@ class MeshPlan:
 
 
 def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTensor],
-              replicated: Sequence[tuple[str, Optional[torch.Tensor]]] = ()) -> MeshPlan:
-    """Classifies the mesh dims of ``x`` [..., D] and the expert weights, or raises."""
+              replicated: Sequence[tuple[str, Optional[torch.Tensor]]] = (),
+              biases: Sequence[tuple[str, Optional[torch.Tensor]]] = ()) -> MeshPlan:
+    """Classifies the mesh dims of ``x`` [..., D] and the expert weights (and biases), or
+    raises."""
     mesh = x.device_mesh
     token_ndim = x.dim() - 1
     weights = {"w1": w1, "w2": w2, "w3": w3}
-    for name, t in list(weights.items()) + list(replicated):
+    # a fused gate/up weight: w1 [E, D, 2F] without w3 (an ungated w1 is [E, D, F])
+    fused = w3 is None and w2.size(1) > 0 and w1.size(-1) == 2 * w2.size(1)
+    layout = _ETP_FUSED if fused else _ETP
+    for name, t in list(weights.items()) + list(replicated) + list(biases):
         if t is None:
             continue
         if not isinstance(t, DTensor):
@@ -106,7 +160,7 @@ def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTenso
             kind = "token"
             bad = {n: p for n, p in wp.items() if not isinstance(p, Replicate)}
         elif isinstance(px, Replicate):
-            kind = "etp" if all(p == _ETP[n] for n, p in wp.items()) else "replicate"
+            kind = "etp" if all(p == layout[n] for n, p in wp.items()) else "replicate"
             bad = {} if kind == "etp" else {
                 n: p for n, p in wp.items() if not isinstance(p, Replicate)
             }
@@ -118,9 +172,21 @@ def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTenso
             )
         if bad:
             got = ", ".join(f"{n} {p}" for n, p in bad.items())
-            want = ("Replicate (tokens are sharded on this mesh dim)" if kind == "token" else
-                    "all Replicate, or w1/w3 Shard(2) with w2 Shard(1) (expert tensor parallel)")
+            if kind == "token":
+                want = "Replicate (tokens are sharded on this mesh dim)"
+            elif fused:
+                want = ("all Replicate, or the fused w1 _StridedShard(2, split_factor=2) with w2 "
+                        "Shard(1) (expert tensor parallel)")
+            else:
+                want = "all Replicate, or w1/w3 Shard(2) with w2 Shard(1) (expert tensor parallel)"
             raise ValueError(f"{op}: on mesh dim {i}, expected expert weights {want}, but got {got}")
+        for name, t in biases:
+            want = layout[name] if kind == "etp" else R
+            if t is not None and t.placements[i] != want:
+                raise ValueError(
+                    f"{op}: on mesh dim {i}, expected the expert bias {name} to be {want} (as its "
+                    f"weights are laid out), but got {t.placements[i]}"
+                )
         for name, t in replicated:
             if t is not None and not isinstance(t.placements[i], Replicate):
                 raise ValueError(
@@ -129,7 +195,7 @@ def plan_mesh(op: str, x: DTensor, w1: DTensor, w2: DTensor, w3: Optional[DTenso
                 )
         kinds.append(kind)
         token_dims.append(px.dim if kind == "token" else None)
-    return MeshPlan(mesh, kinds, token_dims)
+    return MeshPlan(mesh, kinds, token_dims, layout)
 
 
 def token_parallel_moe_ffn(x: DTensor, topk_ids: DTensor, topk_weights: DTensor, w1: DTensor,
@@ -138,17 +204,11 @@ def token_parallel_moe_ffn(x: DTensor, topk_ids: DTensor, topk_weights: DTensor,
                            b3: Optional[DTensor] = None) -> DTensor:
     """Runs ``local_fn(x, topk_ids, topk_weights, w1, w2, w3, b1=, b2=, b3=)`` (``moe_ffn`` on
     plain tensors) on every rank's tokens. ``x [T, D]``; ``topk_ids`` / ``topk_weights [T, k]``
-    sharded like ``x``; the expert biases, if any, Replicate (token-parallel meshes only)."""
+    sharded like ``x``; the expert biases, if any, laid out as their weights (see the module
+    docstring)."""
     op = "moe_ffn"
     biases = [(n, b) for n, b in (("b1", b1), ("b2", b2), ("b3", b3)) if b is not None]
-    plan = plan_mesh(op, x, w1, w2, w3, replicated=biases)
-    if biases and "etp" in plan.kinds:
-        # an F-sharded b1 / b3 and a down bias added once across the Partial output are not
-        # laid out here yet
-        raise NotImplementedError(
-            f"{op}: expert biases with expert tensor parallelism (mesh dim "
-            f"{plan.kinds.index('etp')}) are not supported yet"
-        )
+    plan = plan_mesh(op, x, w1, w2, w3, biases=biases)
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, DTensor) or t.placements != plan.tokens():
             got = t.placements if isinstance(t, DTensor) else type(t).__name__
@@ -157,18 +217,21 @@ def token_parallel_moe_ffn(x: DTensor, topk_ids: DTensor, topk_weights: DTensor,
                 f"{plan.tokens()}, but got {got}"
             )
     weights = [("w1", w1), ("w2", w2)] + ([("w3", w3)] if w3 is not None else [])
-    in_pl = [plan.tokens(), plan.tokens(), plan.tokens()] + [plan.expert_weight(_ETP[n]) for n, _ in weights]
-    in_grad = [plan.tokens_grad(), plan.tokens(), plan.tokens_grad()] + [
-        plan.expert_weight_grad(_ETP[n]) for n, _ in weights
+    params = weights + biases
+    in_pl = [plan.tokens(), plan.tokens(), plan.tokens()] + [
+        plan.expert_weight(plan.etp(n)) for n, _ in params
     ]
-
-    in_pl += [plan.replicated()] * len(biases)
-    in_grad += [plan.replicated_grad()] * len(biases)
+    in_grad = [plan.tokens_grad(), plan.tokens(), plan.tokens_grad()] + [
+        plan.expert_weight_grad(plan.etp(n)) for n, _ in params
+    ]
+    etp_degree = plan.etp_degree()
 
     def run(x_, ids_, tw_, *local):
         ws, bs = local[:len(weights)], local[len(weights):]
-        return local_fn(x_, ids_, tw_, *ws, *([None] if w3 is None else []),
-                        **{n: b for (n, _), b in zip(biases, bs)})
+        # b2 is added to each F shard's partial output: a share per rank
+        bs = {n: share_of_replicated(b, etp_degree) if n == "b2" else b
+              for (n, _), b in zip(biases, bs)}
+        return local_fn(x_, ids_, tw_, *ws, *([None] if w3 is None else []), **bs)
 
     fn = local_map(run, out_placements=(plan.out(),), in_placements=tuple(in_pl),
                    in_grad_placements=tuple(in_grad), device_mesh=plan.mesh)
@@ -198,9 +261,10 @@ def moe_layer_forward(moe, x: DTensor, return_aux_loss: bool = False) -> DTensor
                                   "aux losses are attached per shard), but got True")
     c = moe.config
     params = dict(moe.named_parameters())
-    expert = {n: params.get(f"experts.{n}") for n in ("w1", "w2", "w3")}
+    expert = {n: params.get(f"experts.{n}") for n in _WEIGHTS + _BIASES}
     others = [(n, p) for n, p in params.items() if not n.startswith("experts.")]
-    plan = plan_mesh(op, x, expert["w1"], expert["w2"], expert["w3"], replicated=others)
+    plan = plan_mesh(op, x, expert["w1"], expert["w2"], expert["w3"], replicated=others,
+                     biases=[(n, expert[n]) for n in _BIASES])
     seq_sharded = x.dim() == 3 and 1 in plan.token_dims
     if seq_sharded and c.seq_balance_coeff > 0:
         raise ValueError(
@@ -209,20 +273,24 @@ def moe_layer_forward(moe, x: DTensor, return_aux_loss: bool = False) -> DTensor
         )
     routed_names = [n for n in params if n.startswith("router.") or n.startswith("experts.")]
     routed_in = [plan.tokens()] + [
-        plan.expert_weight(_ETP[n.split(".")[1]]) if n.startswith("experts.") else plan.replicated()
+        plan.expert_weight(plan.etp(n.split(".")[1])) if n.startswith("experts.")
+        else plan.replicated()
         for n in routed_names
     ]
     routed_grad = [plan.tokens_grad()] + [
-        plan.expert_weight_grad(_ETP[n.split(".")[1]]) if n.startswith("experts.")
+        plan.expert_weight_grad(plan.etp(n.split(".")[1])) if n.startswith("experts.")
         else plan.replicated_grad()
         for n in routed_names
     ]
+    etp_degree = plan.etp_degree()
     seq_len_local = x.to_local().size(1) if x.dim() == 3 else x.to_local().size(0)
     routed = _Bound(moe, "routed_forward")
 
     def run_routed(x_local, *p_local):
         x_TD = x_local.reshape(-1, c.dim)
-        local = {f"moe.{n}": t for n, t in zip(routed_names, p_local)}
+        # b2 is added to each F shard's partial output: a share per rank
+        local = {f"moe.{n}": share_of_replicated(t, etp_degree) if n == "experts.b2" else t
+                 for n, t in zip(routed_names, p_local)}
         y, counts, dropped = torch.func.functional_call(routed, local, (x_TD, seq_len_local))
         if dropped is None:
             dropped = counts.new_zeros(())
