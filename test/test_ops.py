@@ -496,6 +496,141 @@ class TestOutputMask(TestCase):
 instantiate_parametrized_tests(TestOutputMask)
 
 
+def _stored_transposed(*shape, generator, dtype=torch.float64):
+    """A [E, a, b] weight stored as [E, b, a] (HuggingFace's nn.Linear layout) and viewed
+    transposed: dense, not contiguous."""
+    E, a, b = shape
+    return torch.randn(E, b, a, generator=generator, dtype=dtype).transpose(1, 2)
+
+
+class _RecordBackwardBuffers(TorchDispatchMode):
+    """The data pointers of the outputs of every grouped_ffn_backward call run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.data_ptrs = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is moe_ops.grouped_ffn_backward.default:
+            self.data_ptrs.update(t.data_ptr() for t in out if t.numel())
+        return out
+
+
+class TestWeightGradientLayout(TestCase):
+    """The kernels allocate a weight gradient in its weight's strides where the weight is dense
+    (an [E, F, D] storage viewed as [E, D, F]), so that AccumulateGrad keeps it instead of
+    copying it into the weight's layout; the fake kernels give the same strides."""
+
+    def _ffn(self, fused: bool, layout: str):
+        g = torch.Generator().manual_seed(0)
+        T, k, E, D, F = 10, 2, 4, 6, 5
+        # expert 3 gets no token: its gradient rows are zero-filled in the strided buffer too
+        topk_ids = torch.stack([torch.randperm(3, generator=g)[:k] for _ in range(T)])
+        sorted_ids, offs, _ = moe_ops.token_sort(topk_ids, E, 4)
+        x = torch.randn(T, D, generator=g, dtype=torch.float64)
+        topk_weights = torch.rand(T, k, generator=g, dtype=torch.float64)
+        H = 2 * F if fused else F
+        if layout == "transposed":
+            w1 = _stored_transposed(E, D, H, generator=g)
+            w3 = None if fused else _stored_transposed(E, D, F, generator=g)
+            w2 = _stored_transposed(E, F, D, generator=g)
+        else:  # expert-minor storage [D, F, E] viewed as [E, D, F]: another dense permutation
+            w1 = torch.randn(D, H, E, generator=g, dtype=torch.float64).permute(2, 0, 1)
+            w3 = None if fused else torch.randn(D, F, E, generator=g,
+                                                dtype=torch.float64).permute(2, 0, 1)
+            w2 = torch.randn(F, D, E, generator=g, dtype=torch.float64).permute(2, 0, 1)
+        return x, sorted_ids, offs, topk_weights, w1, w2, w3
+
+    def _ffn_backward(self, args, weights):
+        x, sorted_ids, offs, topk_weights = args[:4]
+        w1, w2, w3 = weights
+        out, hidden = moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3)
+        grad = torch.ones_like(out)
+        return moe_ops.grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3,
+                                            hidden, "swiglu", 1.702, 7.0, [True] * 8)
+
+    @parametrize("fused", [True, False])
+    @parametrize("layout", ["transposed", "expert_minor"])
+    def test_grouped_ffn_backward(self, fused, layout):
+        args = self._ffn(fused, layout)
+        weights = args[4:]
+        self.assertFalse(any(w.is_contiguous() for w in weights if w is not None))
+        got = self._ffn_backward(args, weights)
+        contiguous = [w.contiguous() if w is not None else None for w in weights]
+        expected = self._ffn_backward(args, contiguous)
+        for i, w in zip((2, 3, 4), weights):
+            if w is None:
+                continue
+            self.assertEqual(got[i].stride(), w.stride())
+            self.assertEqual(got[i], expected[i])
+            self.assertEqual(got[i][3], torch.zeros_like(got[i][3]), atol=0, rtol=0)
+        with FakeTensorMode() as mode:
+            conv = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = self._ffn_backward(conv, conv[4:])
+        for a, f in zip(got, fake):
+            self.assertEqual((a.shape, a.stride()), (f.shape, f.stride()))
+
+    def test_indexed_grouped_mm_backward(self):
+        g = torch.Generator().manual_seed(1)
+        offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+        gather = torch.tensor([0, 4, -1, 2, 1, 3, -1, 0])
+        input = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        weight = _stored_transposed(3, 4, 6, generator=g)
+        grad = torch.randn(8, 6, generator=g, dtype=torch.float64)
+
+        def backward(w, *, fake=None):
+            a = (grad, input, w, offs, gather)
+            if fake is not None:
+                a = tuple(fake.from_tensor(t) for t in a)
+            return moe_ops.indexed_grouped_mm_backward(*a, None, None, [True, True, False])[1]
+
+        got = backward(weight)
+        self.assertEqual(got.stride(), weight.stride())
+        self.assertEqual(got, backward(weight.contiguous()))
+        with FakeTensorMode() as mode:
+            self.assertEqual(backward(weight, fake=mode).stride(), got.stride())
+
+    def test_parameter_gradient_is_not_copied(self):
+        # autograd end to end: AccumulateGrad keeps the buffers grouped_ffn_backward allocated
+        # (no copy into the parameters' layout), with the values of the contiguous layer
+        args = self._ffn(False, "transposed")
+        x, sorted_ids, offs, topk_weights = args[:4]
+        params = [torch.nn.Parameter(w) for w in args[4:]]
+        dense = [torch.nn.Parameter(w.contiguous()) for w in args[4:]]
+        with _RecordBackwardBuffers() as rec:
+            moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, *params)[0].sum().backward()
+        moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, *dense)[0].sum().backward()
+        for p, d in zip(params, dense):
+            self.assertEqual(p.grad.stride(), p.stride())
+            self.assertIn(p.grad.data_ptr(), rec.data_ptrs)
+            self.assertEqual(p.grad, d.grad)
+
+    def test_layouts_that_are_not_dense_get_contiguous_gradients(self):
+        from torch_moe._native._layouts import empty_weight_grad, is_dense_permutation
+
+        w = torch.randn(4, 5, 6)
+        cases = {
+            "expanded": (w[:1].expand(4, 5, 6), False),
+            "sliced": (w[:, :, ::2], False),
+            "transposed": (w.transpose(1, 2), True),
+            "permuted": (w.permute(2, 0, 1), True),
+            "size-1 dim, any stride": (torch.randn(4, 6).unsqueeze(1).as_strided(
+                (4, 1, 6), (6, 99, 1)), True),
+            "empty": (torch.randn(0, 5, 6).transpose(1, 2), False),
+        }
+        for name, (t, dense) in cases.items():
+            self.assertEqual(is_dense_permutation(t), dense, msg=name)
+            grad = empty_weight_grad(t)
+            self.assertEqual(grad.shape, t.shape, msg=name)
+            self.assertEqual(grad.stride(), t.stride() if dense else
+                             torch.empty(t.shape).stride(), msg=name)
+        self.assertEqual(empty_weight_grad(w.transpose(1, 2), torch.float64).dtype, torch.float64)
+
+
+instantiate_parametrized_tests(TestWeightGradientLayout)
+
+
 
 instantiate_device_type_tests(TestMoEOps, globals(), only_for="cpu")
 

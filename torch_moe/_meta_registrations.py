@@ -9,6 +9,7 @@ so none of these ops needs an unbacked symbol or a host synchronisation under tr
 import torch
 
 from torch_moe import _checks
+from torch_moe._native._layouts import empty_weight_grad
 
 
 def _register(name):
@@ -55,6 +56,12 @@ def _grad_like(t: torch.Tensor, wanted: bool) -> torch.Tensor:
     return t.new_empty(t.shape) if wanted else t.new_empty((0,))
 
 
+def _weight_grad_like(w: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """The gradient of the weight ``w`` if requested, in the strides the device kernels give it
+    (those of ``w`` where it is dense), else an empty tensor."""
+    return empty_weight_grad(w) if wanted else w.new_empty((0,))
+
+
 @_register("unpermute_backward")
 def unpermute_backward_meta(grad, y, sorted_ids, topk_weights, output_mask):
     _checks.check_unpermute_backward(grad, y, sorted_ids, topk_weights, output_mask)
@@ -91,7 +98,7 @@ def indexed_grouped_mm_backward_meta(
         _grad_like(scatter_weight, want_sw) if scatter_weight is not None
         else input.new_empty((0,))
     )
-    return _grad_like(input, want_input), _grad_like(weight, want_weight), grad_sw
+    return _grad_like(input, want_input), _weight_grad_like(weight, want_weight), grad_sw
 
 
 @_register("grouped_ffn")
@@ -117,9 +124,9 @@ def grouped_ffn_backward_meta(grad, x, sorted_ids, offs, topk_weights, w1, w2, w
     return (
         _grad_like(x, want_x),
         _grad_like(topk_weights, want_topk),
-        _grad_like(w1, want_w1),
-        _grad_like(w2, want_w2),
-        _optional_grad_like(w3, want_w3, w1),
+        _weight_grad_like(w1, want_w1),
+        _weight_grad_like(w2, want_w2),
+        _weight_grad_like(w3, want_w3) if w3 is not None else w1.new_empty((0,)),
         _optional_grad_like(b1, want_b1, w1),
         _optional_grad_like(b2, want_b2, w1),
         _optional_grad_like(b3, want_b3, w1),

@@ -643,6 +643,9 @@ def _check_fake_cuda() -> None:
             "separate": ("swiglu", t(E, D, F), t(E, D, F), 2 * F, ()),
             "fused": ("geglu", t(E, D, 2 * F), None, 2 * F, ()),
             "plain": ("relu", t(E, D, F), None, F, ()),
+            # nn.Linear storage [E, F, D] viewed as [E, D, F]: gradients in the weights' strides
+            "separate transposed": ("swiglu", t(E, F, D).transpose(1, 2),
+                                    t(E, F, D).transpose(1, 2), 2 * F, ()),
             "separate biases": ("swiglu", t(E, D, F), t(E, D, F), 2 * F,
                                 (t(E, F), t(E, D), t(E, F))),
             "fused biases": ("geglu", t(E, D, 2 * F), None, 2 * F, (t(E, 2 * F), t(E, D), None)),

@@ -18,6 +18,7 @@ import torch
 
 from torch_moe import _checks
 from torch_moe._native._cpu_features import accumulate_dtype, gemm_compute_dtype
+from torch_moe._native._layouts import empty_weight_grad
 from torch_moe._native.activation import activation_backward, activation_forward
 from torch_moe._native.padded_groups import padded_group_layout
 
@@ -200,12 +201,13 @@ def _mm_bias(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias) -> torch
 
 
 def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
-    """A contiguous gradient for the [E, ...] weight ``w``; only experts without rows are zeroed.
+    """A gradient for the [E, ...] weight ``w``, in its strides where it is dense
+    (:func:`torch_moe._native._layouts.empty_weight_grad`); only experts without rows are zeroed.
 
     Each expert with rows is fully written by its GEMM, so zero-filling it first would only add a
     pass over memory that, for large weights, is freshly mapped and page-faults.
     """
-    grad = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    grad = empty_weight_grad(w)
     if len(bounds) < w.size(0):
         used = {g for g, _, _ in bounds}
         unused = [g for g in range(w.size(0)) if g not in used]

@@ -69,6 +69,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
+from torch_moe._native._layouts import empty_weight_grad
 from torch_moe._triton._configs import (
     _block,
     autotune_candidates,
@@ -827,7 +828,7 @@ def grouped_ffn_backward(
     # grad and x gathered in the kernel (padding reads nothing)
     grad_w2 = w2.new_empty((0,))
     if want_w2:
-        grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=w2.device)
+        grad_w2 = empty_weight_grad(w2)  # in w2's strides where dense, as the fake kernel
         if grad_w2.numel():
             weight = _slot_weights(topk_weights, sorted_ids, token)
             _launch_k_rows(act, grad, offs, grad_w2, config, b_index=token, b_scale=weight)
@@ -841,11 +842,11 @@ def grouped_ffn_backward(
         dH_parts = [(dH, w1)]
     grad_w1, grad_w3 = w1.new_empty((0,)), w1.new_empty((0,))
     if want_w1:
-        grad_w1 = torch.empty(w1.shape, dtype=w1.dtype, device=w1.device)
+        grad_w1 = empty_weight_grad(w1)
         if grad_w1.numel():
             _launch_k_rows(x, dH_parts[0][0], offs, grad_w1, config, a_index=token)
     if want_w3:
-        grad_w3 = torch.empty(w3.shape, dtype=w3.dtype, device=w3.device)
+        grad_w3 = empty_weight_grad(w3)
         if grad_w3.numel():
             _launch_k_rows(x, dH_parts[1][0], offs, grad_w3, config, a_index=token)
 

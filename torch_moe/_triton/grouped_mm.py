@@ -72,6 +72,7 @@ from torch.library import triton_op, wrap_triton
 
 from torch_moe import _checks
 from torch_moe._compat import assert_async
+from torch_moe._native._layouts import empty_weight_grad
 from torch_moe._triton._configs import (
     _block,
     autotune_candidates,
@@ -894,7 +895,7 @@ def indexed_grouped_mm_backward(
         grad_sw = dot_out.sum(0).to(scatter_weight.dtype)
     grad_weight = None
     if want_weight:
-        grad_weight = weight.new_empty(weight.shape)
+        grad_weight = empty_weight_grad(weight)  # in weight's strides where dense
         if grad_weight.numel():
             _launch_k_rows(
                 input, grad, offs, grad_weight, config,
