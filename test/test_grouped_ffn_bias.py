@@ -564,8 +564,8 @@ class TestQuantizedExpertFFNBiasPadding(TestCase):
 
 
 class TestMoEFFNBiasDTensor(TestCase):
-    """moe_ffn with biases on DTensors: token parallel (the handler forwards the biases,
-    replicated), against the plain layer; expert tensor parallelism with biases raises."""
+    """moe_ffn with biases on DTensors, token parallel (the handler forwards the replicated
+    biases), against the plain layer."""
 
     WORLD = 4
 
@@ -626,21 +626,6 @@ class TestMoEFFNBiasDTensor(TestCase):
         self.assertEqual(got["out"], ref)
         for n in leaves:
             self.assertEqual(got[n], leaves[n].grad, msg=f"grad {n}")
-
-    def test_expert_tensor_parallel_raises(self):
-        from torch.distributed._local_tensor import LocalTensorMode
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-        p = _problem("separate", "b2", T=8, E=4, D=8, F=8, dtype=torch.float32)
-        with LocalTensorMode(frozenset(range(self.WORLD))):
-            mesh = init_device_mesh("cpu", (self.WORLD,))
-            rep = [Replicate()]
-            d = lambda n, pl=rep: distribute_tensor(p[n], mesh, pl)
-            with self.assertRaisesRegex(NotImplementedError,
-                                        "expert biases with expert tensor parallelism"):
-                moe_ffn(d("x"), d("topk_ids"), d("topk_weights"), d("w1", [Shard(2)]),
-                        d("w2", [Shard(1)]), d("w3", [Shard(2)]), b2=d("b2"))
 
 
 def _sqnr(ref, actual) -> float:
