@@ -23,8 +23,8 @@ except ImportError:  # the optional `hf` extra
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
-def _hf_config(arch: str):
-    common = dict(hidden_size=32, num_experts_per_tok=2, num_hidden_layers=1,
+def _hf_config(arch: str, layers: int = 1):
+    common = dict(hidden_size=32, num_experts_per_tok=2, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
     if arch == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=6)
@@ -37,6 +37,8 @@ def _hf_config(arch: str):
     if arch == "olmoe":
         return transformers.OlmoeConfig(**common, intermediate_size=16, num_experts=6)
     if arch == "deepseek_v3":
+        common.update(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                      qk_nope_head_dim=8, v_head_dim=8)
         return transformers.DeepseekV3Config(**common, moe_intermediate_size=16,
                                              n_routed_experts=8, n_shared_experts=1, n_group=2,
                                              topk_group=1, routed_scaling_factor=2.5,

@@ -3,6 +3,7 @@
 from torch_moe.nn import functional  # noqa: F401
 from torch_moe.nn.convert import hf_moe_state_dict, load_hf_moe_state_dict  # noqa: F401
 from torch_moe.nn.modules import GroupedExperts, MoE, MoEConfig, SharedExperts, TopKRouter
+from torch_moe.nn.replace import replace_moe_blocks
 
 __all__ = [
     "functional",
@@ -13,4 +14,5 @@ __all__ = [
     "MoE",
     "load_hf_moe_state_dict",
     "hf_moe_state_dict",
+    "replace_moe_blocks",
 ]
