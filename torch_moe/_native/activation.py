@@ -57,8 +57,9 @@ def activation_forward(kind: str, h: torch.Tensor, out: torch.Tensor, alpha: flo
     """Writes act(h) into ``out [n, F]`` and returns it."""
     g, u = _split(h, kind in GATED_ACTIVATIONS)
     if kind == "swiglu":
-        # in place into ``out``: no [n, F] temporary per block
-        torch.sigmoid(g, out=out).mul_(g).mul_(u)
+        # into ``out``: no [n, F] temporary per block; silu computes g * sigmoid(g) in fp32
+        # for bf16 / fp16 and rounds once, as F.silu does
+        torch.ops.aten.silu.out(g, out=out).mul_(u)
     elif kind == "geglu":
         torch.mul(F_.gelu(g), u, out=out)
     elif kind == "swiglu_oai":

@@ -653,7 +653,9 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
         o = bufs.get("o", n, D, cdt)
         for g, s, e in groups:
             _mm_bias(o[s - bs : e - bs], act[s - bs : e - bs], experts.down(g), _row(b2_c, g))
-        # the routing weight scales the down bias too (gpt-oss)
+        # the routing weight scales the down bias too (gpt-oss); it is applied in the
+        # accumulation dtype, so that a low-precision row is rounded once, by the combine
+        o = o if o.dtype == out_acc.dtype else o.to(out_acc.dtype)
         o.mul_(weight[bs:be].unsqueeze(1))
         _zero_rows_(o, pad_b)
         _index_add_rows_(out_acc, r, o)
