@@ -38,6 +38,7 @@ SHORT_FORMS = {
         'python -c "from torch_moe.distributed._tools import planner; planner.main()"',
     "python benchmarks/sparsity_sweep.py": "python benchmarks/sparsity_sweep.py --quick",
     "python benchmarks/ops.py": "python benchmarks/ops.py --quick",
+    "python benchmarks/hf_models.py": "python benchmarks/hf_models.py --quick --csv \"$(mktemp -d)/hf_models.csv\"",
     "python benchmarks/moe_layer.py": "python benchmarks/moe_layer.py --quick",
     "python tools/import_graph.py": "python tools/import_graph.py",
     "python benchmarks/gpu.py": "python benchmarks/gpu.py --quick",
