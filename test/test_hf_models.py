@@ -136,10 +136,10 @@ class TestHFModels(TestCase):
             # the experts on the fp64 routing
             want = exact.experts(x.double(), ids_exact, w_exact)
             hf = block.experts(x, ids_hf.new_tensor(ids_exact), w_exact.float())
-            w13, w2, biases = ours._expert_weights()
-            s, o, _ = torch.ops.torch_moe.token_sort(ids_exact, w13.size(0))
+            w1, w2, w3, biases = ours._expert_weights()
+            s, o, _ = torch.ops.torch_moe.token_sort(ids_exact, w1.size(0))
             mine, _ = torch.ops.torch_moe.grouped_ffn(
-                x, s, o, w_exact.float(), w13, w2, None, ours.moe_config.activation,
+                x, s, o, w_exact.float(), w1, w2, w3, ours.moe_config.activation,
                 ours.moe_config.swiglu_alpha, ours.moe_config.swiglu_limit, **biases)
         def err(y):
             return ((y.double() - want).norm() / want.norm()).item()

@@ -11,9 +11,8 @@ reloads it, an optimizer built before the swap stays valid, and nothing is copie
 * Mixtral, Qwen, OLMoE, DeepSeek-V3 keep ``experts.gate_up_proj [E, 2F, D]`` (gate rows first)
   and ``experts.down_proj [E, D, F]``; the experts read them as the transposed views
   ``w13 [E, D, 2F]`` and ``w2 [E, F, D]``.
-* gpt-oss keeps ``gate_up_proj [E, D, 2F]`` with the gate and up columns interleaved, which no
-  view turns into ``[gate | up]``: each forward de-interleaves it (and its bias) into a
-  temporary, through autograd, so gradients reach the original parameters.
+* gpt-oss keeps ``gate_up_proj [E, D, 2F]`` with the gate and up columns interleaved: its even
+  and odd columns (and bias entries) are the strided views ``w1`` and ``w3 [E, D, F]``.
 
 The router module is not called (its top-k would be computed twice); its forward hooks are run
 with its output tuple ``(logits, weights, ids)``, so that transformers' ``output_router_logits``
@@ -59,15 +58,17 @@ class _TorchMoEBlockMixin:
     def _router(self) -> nn.Module:
         return getattr(self, HF_BLOCK_CLASSES[self._hf_class_name])
 
-    def _expert_weights(self) -> tuple[Tensor, Tensor, dict]:
-        """``(w13 [E, D, 2F], w2 [E, F, D], biases)`` in ``grouped_ffn``'s layout."""
+    def _expert_weights(self) -> tuple[Tensor, Tensor, Optional[Tensor], dict]:
+        """``(w1, w2 [E, F, D], w3, biases)`` in ``grouped_ffn``'s layout: ``w1 = w13 [E, D, 2F]``
+        and ``w3 = None``, or gate and up ``[E, D, F]`` apart."""
         ex = self.experts
-        if self.moe_config.ffn_bias:  # gpt-oss: interleaved columns, GEMM layout, biases
+        if self.moe_config.ffn_bias:
+            # gpt-oss: interleaved gate / up columns in GEMM layout, with biases; the gate and
+            # up weights are the even and odd columns, strided views of its one tensor
             w, b = ex.gate_up_proj, ex.gate_up_proj_bias
-            w13 = torch.cat([w[..., ::2], w[..., 1::2]], dim=-1)
-            b1 = torch.cat([b[..., ::2], b[..., 1::2]], dim=-1)
-            return w13, ex.down_proj, {"b1": b1, "b2": ex.down_proj_bias}
-        return ex.gate_up_proj.transpose(1, 2), ex.down_proj.transpose(1, 2), {}
+            biases = {"b1": b[..., ::2], "b3": b[..., 1::2], "b2": ex.down_proj_bias}
+            return w[..., ::2], ex.down_proj, w[..., 1::2], biases
+        return ex.gate_up_proj.transpose(1, 2), ex.down_proj.transpose(1, 2), None, {}
 
     def forward(self, hidden_states: Tensor):
         c = self.moe_config
@@ -88,10 +89,10 @@ class _TorchMoEBlockMixin:
             # for DeepSeek-V3)
             hf_dtype = torch.promote_types(x_TD.dtype, router.weight.dtype)
             _run_forward_hooks(router, (x_TD,), (logits.to(hf_dtype), topk_weights, topk_ids))
-        w13, w2, biases = self._expert_weights()
+        w1, w2, w3, biases = self._expert_weights()
         sorted_ids, offs, _ = torch.ops.torch_moe.token_sort(topk_ids, c.num_experts)
         y_TD, _ = torch.ops.torch_moe.grouped_ffn(
-            x_TD.to(w13.dtype), sorted_ids, offs, topk_weights, w13, w2, None, c.activation,
+            x_TD.to(w1.dtype), sorted_ids, offs, topk_weights, w1, w2, w3, c.activation,
             c.swiglu_alpha, c.swiglu_limit, **biases)
         y_TD = y_TD.to(hidden_states.dtype)
         if hasattr(self, "shared_expert"):  # Qwen2-MoE: a sigmoid-gated shared expert
