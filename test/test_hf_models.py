@@ -210,6 +210,10 @@ class TestHFModels(TestCase):
             swap_hf_moe_block(block)
         with self.assertRaisesRegex(TypeError, "expected a transformers MoE block"):
             swap_hf_moe_block(model.model.layers[0].self_attn)
+        with self.assertRaisesRegex(ValueError, "computes precision='bf16' only, but got 'fp8_rowwise'"):
+            torch_moe.nn.replace_moe_blocks(_model("olmoe"), precision="fp8_rowwise")
+        with self.assertRaisesRegex(ValueError, "capacity_factor=None only, but got 1.25"):
+            torch_moe.nn.replace_moe_blocks(_model("olmoe"), capacity_factor=1.25)
         other = _model("qwen3_moe")
         other.model.layers[0].mlp.experts.register_forward_hook(lambda *a: None)
         with self.assertRaisesRegex(ValueError, "forward hooks that the swapped forward would bypass"):

@@ -165,6 +165,13 @@ def swap_hf_moe_block(block: nn.Module, config=None, **overrides) -> MoEConfig:
             raise ValueError(f"swap_hf_moe_block: the {name}'s {type(module).__name__} has "
                              f"forward hooks that the swapped forward would bypass")
     moe_config = MoEConfig.from_hf(config, **overrides)
+    # what the swapped forward does not compute must not be accepted silently
+    unsupported = {"precision": "bf16", "capacity_factor": None, "load_balance_coeff": 0.0,
+                   "seq_balance_coeff": 0.0, "z_loss_coeff": 0.0}
+    for field, default in unsupported.items():
+        if getattr(moe_config, field) != default:
+            raise ValueError(f"swap_hf_moe_block: a swapped transformers block computes "
+                             f"{field}={default!r} only, but got {getattr(moe_config, field)!r}")
     E = moe_config.num_experts
     got = experts.gate_up_proj.size(0)
     if got != E:
