@@ -102,17 +102,18 @@ class _TorchMoEBlockMixin:
         if hasattr(self, "shared_experts"):  # DeepSeek-V3
             y = y + self.shared_experts(hidden_states)
         if self._hf_class_name == "GptOssMLP":  # its block also returns the routing weights
-            return y, topk_weights.to(logits.dtype if bias is None else hidden_states.dtype)
+            return y, topk_weights.to(hidden_states.dtype)
         return y
 
 
 _SWAPPED: dict[type, type] = {}
 
 
-def _swapped_class(cls: type) -> type:
+def _swapped_class(cls: type, hf_name: str) -> type:
+    """The swapped class of ``cls``, a subclass of (or) transformers' ``hf_name`` block."""
     if cls not in _SWAPPED:
         _SWAPPED[cls] = type(f"TorchMoE{cls.__name__}", (_TorchMoEBlockMixin, cls),
-                             {"_hf_class_name": cls.__name__, "__module__": __name__})
+                             {"_hf_class_name": hf_name, "__module__": __name__})
     return _SWAPPED[cls]
 
 
@@ -178,5 +179,5 @@ def swap_hf_moe_block(block: nn.Module, config=None, **overrides) -> MoEConfig:
         raise ValueError(f"swap_hf_moe_block: the config has {E} experts, but the {name}'s "
                          f"experts.gate_up_proj has {got}")
     block.moe_config = moe_config
-    block.__class__ = _swapped_class(type(block))
+    block.__class__ = _swapped_class(type(block), name)
     return moe_config
