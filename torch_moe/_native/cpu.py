@@ -440,7 +440,9 @@ def indexed_grouped_mm(
     s_rows, s_pad = _slot_rows(op, "scatter_index", scatter_index, max(num_out_rows, 0))
     # a slot padded on either side gives a zero row (or adds nothing to its clamped output row)
     pad = _either(g_pad, s_pad)
-    sw = scatter_weight.to(cdt) if scatter_weight is not None else None
+    # scatter weights in the accumulation dtype, so each weighted row is rounded at most once
+    sw = (scatter_weight.to(accumulate_dtype(input.dtype)) if scatter_weight is not None
+          else None)
     bufs = _Buffers(input.device)
     x_c = _gemm_operand(input, cdt) if gather_index is not None else input
     if scatter_index is not None:
@@ -458,6 +460,8 @@ def indexed_grouped_mm(
             X = _gemm_operand(input[s:e], cdt)
         V = torch.mm(X, _gemm_operand(weight[g], cdt), out=bufs.get("v", n, N, cdt))
         if sw is not None:
+            if scatter_index is not None and V.dtype != out_acc.dtype:
+                V = V.to(out_acc.dtype)
             V.mul_(sw[s:e].unsqueeze(1))
         _zero_rows_(V, pad[s:e] if pad is not None else None)
         if scatter_index is not None:
@@ -487,7 +491,7 @@ def indexed_grouped_mm_backward(
     s_rows, s_pad = _slot_rows(op, "scatter_index", scatter_index, grad.size(0))
     # padded slots take no part: their rows of G, X and U are zeroed (not scaled by zero)
     pad = _either(g_pad, s_pad)
-    sw = scatter_weight.to(cdt) if scatter_weight is not None else None
+    sw = scatter_weight.to(acc) if scatter_weight is not None else None
     bufs = _Buffers(input.device)
     x_c = _gemm_operand(input, cdt) if gather_index is not None else None
     grad_c = _gemm_operand(grad, cdt)
@@ -527,6 +531,8 @@ def indexed_grouped_mm_backward(
                 grad_sw[s:e] = _rowwise_dot(U, X, acc)
             if want_input:
                 if sw is not None:
+                    if gather_index is not None and U.dtype != acc:
+                        U = U.to(acc)  # weighted once in fp32, rounded once by the sum
                     _zero_rows_(U.mul_(sw[s:e].unsqueeze(1)), pad_g)
                 if gather_index is not None:
                     _index_add_rows_(grad_in_acc, g_rows[s:e], U)
@@ -607,7 +613,9 @@ def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
     bounds, last = _group_bounds(op, offs, S, "sorted_ids.size(0)")
     rows, pad = _token_rows(op, sorted_ids, k, T)
     cdt = gemm_compute_dtype(x.dtype)
-    weight = _slot_weights(topk_weights, sorted_ids, pad, cdt)
+    # the routing weights stay in the accumulation dtype (not rounded to a bf16 / fp16 GEMM
+    # dtype): each product with a weight is then rounded at most once
+    weight = _slot_weights(topk_weights, sorted_ids, pad, accumulate_dtype(x.dtype))
     return bounds, last, rows, pad, weight, cdt
 
 
