@@ -1,0 +1,448 @@
+# Owner(s): ["module: moe"]
+"""Tests of ``torch_moe.nn.expert_store``: the safetensors file, the cache and its policies, the
+prefetcher, and the offloaded MoE layer against the all-resident one, bit for bit (fp32
+outputs and the gradients of everything trainable) for every cache size, policy and prefetch
+mode; and the errors of every entry point."""
+
+import copy
+import os
+import struct
+import tempfile
+
+import torch
+from torch import nn
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+from torch_moe.nn import MoE, MoEConfig
+from torch_moe.nn.expert_store import (
+    ExpertCache,
+    ExpertSpec,
+    FileTier,
+    OffloadedExperts,
+    load_experts,
+    offload_experts,
+    save_experts,
+)
+from torch_moe.nn.expert_store._format import SafetensorsFile, write_safetensors
+from torch_moe.nn.expert_store._loader import NEXT_LAYER, InlineLoader, ThreadLoader
+from torch_moe.nn.expert_store.policy import LFU, LRU
+
+E = 8
+
+
+class _Model(nn.Module):
+    """Three MoE layers on a residual stream (the next layer's router sees a related input, as
+    in a transformer)."""
+
+    def __init__(self, layers=3, **kw):
+        super().__init__()
+        cfg = dict(dim=16, hidden_dim=8, num_experts=E, top_k=2)
+        cfg.update(kw)
+        self.layers = nn.ModuleList(MoE(MoEConfig(**cfg)) for _ in range(layers))
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def _trainable_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if p.grad is not None and ".experts." not in n}
+
+
+class _Files(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self._dir.cleanup)
+
+    def path(self, name="experts.safetensors"):
+        return os.path.join(self._dir.name, name)
+
+
+class TestFormat(_Files):
+    def test_round_trip(self):
+        tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
+                   "c": torch.arange(6, dtype=torch.int64).view(2, 3), "empty": torch.empty(0, 4)}
+        write_safetensors(self.path(), tensors, {"k": "v"})
+        f = SafetensorsFile(self.path())
+        self.assertEqual(f.metadata, {"k": "v"})
+        for name, t in tensors.items():
+            self.assertEqual(f.info(name), (t.dtype, tuple(t.shape)))
+            self.assertTrue(torch.equal(f.get(name), t))
+        # the data starts on a page boundary (so the experts' pages are their own)
+        self.assertEqual(f.byte_range("a")[0] % 4096, 0)
+        f.close()
+
+    def _write_raw(self, header: bytes, data: bytes = b""):
+        with open(self.path(), "wb") as fh:
+            fh.write(struct.pack("<Q", len(header)) + header + data)
+
+    def test_malformed(self):
+        cases = [
+            (b"", "shorter than the 8-byte header length", False),
+            (b'{"a": 1', "not JSON", True),
+            (b'[1, 2]', "not a JSON object", True),
+            (b'{"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}', "unknown dtype", True),
+            (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}', "needs 8", True),
+            (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "leaves a hole", True),
+            (b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', "runs past", True),
+        ]
+        for header, msg, framed in cases:
+            if framed:
+                self._write_raw(header, b"\0" * 8)
+            else:
+                with open(self.path(), "wb") as fh:
+                    fh.write(b"\1\2")
+            with self.assertRaisesRegex(ValueError, msg):
+                SafetensorsFile(self.path())
+        with open(self.path(), "wb") as fh:
+            fh.write(struct.pack("<Q", 1 << 40))
+        with self.assertRaisesRegex(ValueError, "exceeds the file"):
+            SafetensorsFile(self.path())
+        with self.assertRaisesRegex(FileNotFoundError, "cannot open"):
+            SafetensorsFile(self.path("missing"))
+
+
+class TestPolicy(TestCase):
+    def test_lru(self):
+        p = LRU()
+        for e in (3, 1, 2, 3):
+            p.touch(e)
+        self.assertEqual(p.victim([1, 2, 3]), 1)
+        self.assertEqual(p.victim([2, 3]), 2)
+
+    def test_lfu(self):
+        p = LFU()
+        for e in (1, 1, 2, 3, 3, 3, 1):
+            p.touch(e)
+        self.assertEqual(p.victim([1, 2, 3]), 2)
+        p.seed([0, 0, 10, 0])
+        # 1 and 3 tie at three requests; 3 was touched less recently
+        self.assertEqual(p.victim([1, 2, 3]), 3)
+        # ties: the least recently used
+        q = LFU()
+        for e in (4, 5):
+            q.touch(e)
+        self.assertEqual(q.victim([5, 4]), 4)
+
+
+def _cache(num_slots=2, loader=None, policy="lru"):
+    torch.manual_seed(0)
+    weights = {"w": torch.randn(E, 4, 3)}
+    from torch_moe.nn.expert_store.tiers import HostTier
+    tier = HostTier(pin_memory=False)
+    tier.tensors["l"] = weights
+    spec = ExpertSpec(E, {"w": (4, 3)}, torch.float32)
+    return ExpertCache("l", spec, tier, num_slots, torch.device("cpu"), policy,
+                       loader or InlineLoader()), weights["w"]
+
+
+class TestCache(TestCase):
+    def test_prefetch_never_evicts_pinned_slots(self):
+        for loader in (InlineLoader(), ThreadLoader()):
+            cache, w = _cache(num_slots=3, loader=loader)
+            cache.begin_step([5])
+            (slot,) = cache.acquire([5])
+            # a flood of prefetches while expert 5 is in use: the two free slots only
+            issued = cache.prefetch([0, 1, 2, 3, 4, 6, 7], NEXT_LAYER, next_step=True)
+            self.assertEqual(issued, 2)
+            cache.drain()
+            self.assertTrue(torch.equal(cache.slots["w"][slot], w[5]))
+            self.assertTrue(cache.resident(5))
+            cache.release([slot])
+            cache.finished([5])
+            cache.end_step()
+            # released, expert 5 may go: three new experts take all three slots
+            self.assertEqual(cache.prefetch([2, 3, 4], NEXT_LAYER, next_step=True), 3)
+            cache.drain()
+            self.assertFalse(cache.resident(5))
+            loader.close()
+
+    def test_loads_land_in_their_slots(self):
+        cache, w = _cache(num_slots=2, loader=ThreadLoader())
+        for step in ([1, 2], [3, 1], [4, 5], [1, 5]):
+            cache.begin_step(step)
+            slots = cache.acquire(step)
+            for e, s in zip(step, slots):
+                self.assertTrue(torch.equal(cache.slots["w"][s], w[e]))
+            cache.release(slots)
+            cache.finished(step)
+            cache.end_step()
+        self.assertEqual(cache.stats.hits, 2)
+        self.assertEqual(cache.stats.misses, 6)
+        cache.loader.close()
+
+    def test_release_without_acquire(self):
+        cache, _ = _cache()
+        with self.assertRaisesRegex(RuntimeError, "released more often than acquired"):
+            cache.release([0])
+
+
+@instantiate_parametrized_tests
+class TestOffloadedMoE(_Files):
+    """The offloaded model against the resident one: torch.equal, not allclose."""
+
+    def _compare(self, model, cache_experts, policy="lru", prefetch="router", steps=2,
+                 tokens=6, tier=None, shape=None, train_steps=0):
+        path = self.path()
+        save_experts(model, path)
+        resident = model
+        offloaded = copy.deepcopy(model)
+        store = offload_experts(offloaded, path, cache_experts=cache_experts, policy=policy,
+                                prefetch=prefetch, tier=tier)
+        self.addCleanup(store.close)
+        for p in resident.parameters():
+            if p.dim() == 3:  # the routed experts: frozen in both
+                p.requires_grad_(False)
+        gen = torch.Generator().manual_seed(1)
+        D = model.layers[0].config.dim
+        for step in range(steps):
+            x = torch.randn(shape or (tokens, D), generator=gen)
+            outs, grads = [], []
+            for m in (resident, offloaded):
+                m.zero_grad(set_to_none=True)
+                xi = x.clone().requires_grad_(True)
+                y = m(xi)
+                (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+                outs.append(y.detach())
+                grads.append({"x": xi.grad, **_trainable_grads(m)})
+            self.assertTrue(torch.equal(outs[0], outs[1]),
+                            f"step {step}: outputs differ by {(outs[0] - outs[1]).abs().max()}")
+            self.assertEqual(grads[0].keys(), grads[1].keys())
+            self.assertGreater(len(grads[0]), 1)
+            for name in grads[0]:
+                self.assertTrue(torch.equal(grads[0][name], grads[1][name]),
+                                f"step {step}: grad of {name} differs by "
+                                f"{(grads[0][name] - grads[1][name]).abs().max()}")
+        for _ in range(train_steps):
+            for m in (resident, offloaded):
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p -= 0.1 * p.grad
+        stats = store.stats()
+        # no expert is read twice for one step, and every byte moved is a whole expert
+        self.assertLessEqual(stats.max_reads_per_step, 1)
+        spec = store.caches[next(iter(store.caches))].spec
+        self.assertEqual(stats.bytes_moved, stats.loads * spec.nbytes())
+        self.assertEqual(stats.requests, stats.hits + stats.misses)
+        return store
+
+    @parametrize("cache_experts", [1, 2, 5, E])
+    @parametrize("policy", ["lru", "lfu"])
+    @parametrize("prefetch", [None, "router", "previous"])
+    def test_exact(self, cache_experts, policy, prefetch):
+        torch.manual_seed(0)
+        model = _Model(num_shared_experts=1, top_k=3)
+        self._compare(model, cache_experts, policy, prefetch)
+
+    @parametrize("cache_experts", [1, 3, E])
+    @parametrize("top_k", [1, 2, E])
+    def test_exact_top_k(self, cache_experts, top_k):
+        torch.manual_seed(0)
+        self._compare(_Model(top_k=top_k), cache_experts, tokens=9)
+
+    @parametrize("variant", ["fused_gate_up", "ffn_bias", "gelu", "relu", "capacity",
+                             "gated_shared",
+                             "batched", "decode"])
+    def test_exact_variants(self, variant):
+        kw, extra = {}, {}
+        if variant == "fused_gate_up":
+            kw = dict(fused_gate_up=True)
+        elif variant == "ffn_bias":
+            kw = dict(ffn_bias=True)
+        elif variant in ("gelu", "relu"):
+            kw = dict(activation=variant)
+        elif variant == "capacity":
+            kw = dict(capacity_factor=0.5)
+        elif variant == "gated_shared":
+            kw = dict(num_shared_experts=2, shared_expert_gate=True, score_func="sigmoid",
+                      normalize_topk=True)
+        elif variant == "batched":
+            extra = dict(shape=(2, 5, 16))
+        elif variant == "decode":
+            extra = dict(tokens=1, steps=4)
+        torch.manual_seed(0)
+        model = _Model(**kw)
+        if variant == "ffn_bias":
+            with torch.no_grad():
+                for layer in model.layers:
+                    for b in layer.experts.biases().values():
+                        b.normal_()
+        for cache_experts in (1, 3, E):
+            self._compare(copy.deepcopy(model), cache_experts, **extra)
+
+    @parametrize("activation", ["swiglu_oai", "geglu"])
+    def test_within_rounding(self, activation):
+        # Not bit-identical, by up to an ulp: these activations run elementwise kernels over the
+        # whole block buffer whose result depends on an element's position in it (torch.sigmoid's
+        # vector body and scalar tail differ in the last bit), and a pass's block holds other
+        # rows than the resident kernel's. One expert pass (the cache holds them all) is exact.
+        torch.manual_seed(0)
+        model = _Model(activation=activation, ffn_bias=activation == "swiglu_oai")
+        path = self.path()
+        save_experts(model, path)
+        for cache_experts in (1, 3, E):
+            offloaded = copy.deepcopy(model)
+            store = offload_experts(offloaded, path, cache_experts=cache_experts)
+            self.addCleanup(store.close)
+            x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                y, y_off = model(x), offloaded(x)
+            if cache_experts == E:
+                self.assertTrue(torch.equal(y, y_off))
+            else:
+                torch.testing.assert_close(y_off, y, rtol=4 * 2**-23, atol=1e-7)
+
+    def test_exact_host_tier(self):
+        torch.manual_seed(0)
+        for prefetch in (None, "router"):
+            self._compare(_Model(num_shared_experts=1), 2, prefetch=prefetch, tier="host")
+
+    def test_exact_while_training(self):
+        # a few SGD steps of everything trainable: both models stay bit-identical
+        torch.manual_seed(0)
+        self._compare(_Model(num_shared_experts=1, load_balance_coeff=0.01), 2, steps=3,
+                      train_steps=1)
+
+    def test_stats(self):
+        torch.manual_seed(0)
+        store = self._compare(_Model(), E, steps=3, prefetch=None)
+        s = store.stats()
+        # all experts fit: after the first forward nothing is loaded again
+        self.assertEqual(s.loads, s.misses)
+        self.assertLessEqual(s.loads, 3 * E)
+        self.assertGreater(s.hits, 0)
+        per_layer = store.stats(per_layer=True)
+        self.assertEqual(sorted(per_layer), ["layers.0", "layers.1", "layers.2"])
+        store.reset_stats()
+        self.assertEqual(store.stats().requests, 0)
+
+    def test_router_prefetch_hits(self):
+        torch.manual_seed(0)
+        store = self._compare(_Model(layers=4), 4, steps=3, tokens=1, prefetch="router")
+        s = store.stats()
+        self.assertGreater(s.prefetches, 0)
+        self.assertGreater(s.prefetch_hits, 0)
+
+    def test_load_experts_round_trip(self):
+        torch.manual_seed(0)
+        model = _Model(num_shared_experts=1)
+        before = copy.deepcopy(model.state_dict())
+        path = self.path()
+        save_experts(model, path)
+        store = offload_experts(model, path, cache_experts=2)
+        self.assertIsInstance(model.layers[0].experts, OffloadedExperts)
+        self.assertFalse(any(".experts." in n for n, _ in model.named_parameters()))
+        load_experts(model, path)
+        store.close()
+        after = model.state_dict()
+        self.assertEqual(before.keys(), after.keys())
+        for k in before:
+            self.assertTrue(torch.equal(before[k], after[k]), k)
+
+
+class TestErrors(_Files):
+    def _saved(self, **kw):
+        torch.manual_seed(0)
+        model = _Model(**kw)
+        save_experts(model, self.path())
+        return model
+
+    def test_cache_size(self):
+        model = self._saved()
+        for bad, err, msg in ((0, ValueError, r"cache_experts >= 1"),
+                              (E + 1, ValueError, r"cache_experts in \[1, 8\]"),
+                              (True, TypeError, "cache_experts to be an int"),
+                              (2.0, TypeError, "cache_experts to be an int")):
+            with self.assertRaisesRegex(err, msg):
+                offload_experts(copy.deepcopy(model), self.path(), cache_experts=bad)
+
+    def test_options(self):
+        model = self._saved()
+        with self.assertRaisesRegex(ValueError, "policy in"):
+            offload_experts(model, self.path(), cache_experts=2, policy="fifo")
+        with self.assertRaisesRegex(ValueError, "prefetch in"):
+            offload_experts(model, self.path(), cache_experts=2, prefetch="oracle")
+        with self.assertRaisesRegex(ValueError, "tier 'file', 'host'"):
+            offload_experts(model, self.path(), cache_experts=2, tier="disk")
+        with self.assertRaisesRegex(ValueError, "drop_page_cache applies to the file tier"):
+            offload_experts(model, self.path(), cache_experts=2, tier="host",
+                            drop_page_cache=True)
+        with self.assertRaisesRegex(ValueError, "holds no torch_moe.nn.MoE"):
+            offload_experts(nn.Linear(2, 2), self.path(), cache_experts=1)
+
+    def test_file_mismatch(self):
+        self._saved()
+        with self.assertRaisesRegex(ValueError, r"expects torch.float32 \[16, 4\]"):
+            offload_experts(_Model(hidden_dim=4), self.path(), cache_experts=2)
+        with self.assertRaisesRegex(ValueError, "torch.float32 .* but the layer expects torch.float64"):
+            offload_experts(_Model().double(), self.path(), cache_experts=2)
+        with self.assertRaisesRegex(KeyError, "misses 'layers.0.experts.8.w1'"):
+            offload_experts(_Model(num_experts=12), self.path(), cache_experts=2)
+        with self.assertRaisesRegex(ValueError, "holds more than the 4 experts"):
+            offload_experts(_Model(num_experts=4), self.path(), cache_experts=2)
+        with self.assertRaisesRegex(KeyError, "holds no experts of layer 'layers.3'"):
+            offload_experts(_Model(layers=4), self.path(), cache_experts=2)
+        with self.assertRaisesRegex(FileNotFoundError, "cannot open"):
+            offload_experts(_Model(), self.path("nope"), cache_experts=2)
+
+    def test_frozen(self):
+        model = self._saved()
+        store = offload_experts(model, self.path(), cache_experts=2)
+        self.addCleanup(store.close)
+        store.caches["layers.1"].slots["w2"].requires_grad_(True)
+        with self.assertRaisesRegex(RuntimeError, "are frozen, but slots\\['w2'\\] requires grad"):
+            model(torch.randn(3, 16))
+
+    def test_already_offloaded_and_precision(self):
+        model = self._saved()
+        store = offload_experts(model, self.path(), cache_experts=2)
+        self.addCleanup(store.close)
+        with self.assertRaisesRegex(TypeError, "already offloaded"):
+            offload_experts(model, self.path(), cache_experts=2)
+        with self.assertRaisesRegex(TypeError, "already offloaded"):
+            save_experts(model, self.path("again"))
+        with self.assertRaisesRegex(NotImplementedError, "precision='fp8_rowwise'"):
+            offload_experts(_Model(precision="fp8_rowwise"), self.path(), cache_experts=2)
+
+    def test_seed_frequencies(self):
+        model = self._saved()
+        store = offload_experts(model, self.path(), cache_experts=2, policy="lfu")
+        self.addCleanup(store.close)
+        store.seed_frequencies("layers.0", torch.arange(E))
+        with self.assertRaisesRegex(ValueError, "finite, non-negative"):
+            store.seed_frequencies("layers.0", torch.tensor([float("nan")] * E))
+        with self.assertRaisesRegex(ValueError, "finite, non-negative"):
+            store.seed_frequencies("layers.0", -torch.ones(E))
+        with self.assertRaisesRegex(ValueError, r"expected counts \[8\]"):
+            store.seed_frequencies("layers.0", torch.ones(3))
+        with self.assertRaisesRegex(KeyError, "no offloaded layer 'layers.9'"):
+            store.seed_frequencies("layers.9", torch.ones(E))
+
+    def test_bad_routing(self):
+        model = self._saved()
+        store = offload_experts(model, self.path(), cache_experts=2)
+        self.addCleanup(store.close)
+        experts = model.layers[0].experts
+        x = torch.randn(2, 16)
+        w = torch.ones(2, 2)
+        with self.assertRaisesRegex(ValueError, r"expected offs \[8\]"):
+            experts(x, torch.arange(4), torch.tensor([4], dtype=torch.int32), w)
+        with self.assertRaisesRegex(ValueError, "non-decreasing"):
+            experts(x, torch.arange(4), torch.tensor([3, 1, 4, 4, 4, 4, 4, 4], dtype=torch.int32), w)
+        with self.assertRaisesRegex(ValueError, "exceeds the 4 sorted slots"):
+            experts(x, torch.arange(4), torch.full((8,), 5, dtype=torch.int32), w)
+        with self.assertRaisesRegex(ValueError, r"sorted_ids in \[0, T \* k\)"):
+            experts(x, torch.tensor([0, 1, 2, 9]), torch.full((8,), 4, dtype=torch.int32), w)
+
+
+if __name__ == "__main__":
+    run_tests()

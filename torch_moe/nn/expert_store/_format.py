@@ -1,0 +1,220 @@
+"""The safetensors file format, written and read with the standard library.
+
+A safetensors file is ``u64 little-endian N | N bytes of JSON header | data``. The header maps
+each tensor name to ``{"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}`` (byte
+offsets into the data, which the tensors cover without holes, in order) and may hold a
+``"__metadata__"`` object of string values. The header may end in spaces; we pad it so that the
+data starts on a page boundary, so that an expert's bytes start page-aligned in the mapping when
+their sizes are multiples of the page (``madvise`` / ``posix_fadvise`` work on pages).
+
+Reading maps the file (``mmap``) and views each tensor with ``torch.frombuffer``: nothing is read
+until a tensor's bytes are touched, which is what makes the file a tier of an expert store.
+"""
+
+import json
+import mmap
+import os
+import struct
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["write_safetensors", "SafetensorsFile", "DTYPES"]
+
+# safetensors' dtype names
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_PAGE = mmap.PAGESIZE
+# a header larger than this is not a safetensors header (the format's own limit is 100 MB)
+_MAX_HEADER = 100_000_000
+
+
+def write_safetensors(path, tensors: dict, metadata: Optional[dict] = None) -> None:
+    """Writes ``tensors`` (name -> CPU-copyable tensor, in the order given) to ``path``.
+
+    The data is written through a writable mapping of the file, tensor by tensor, so that no
+    copy of all the tensors is ever held in memory."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"write_safetensors: expected {name!r} to be a tensor, but got "
+                            f"{type(t).__name__}")
+        if t.dtype not in _NAMES:
+            raise TypeError(f"write_safetensors: {name!r} has dtype {t.dtype}, which safetensors "
+                            f"cannot store (one of {sorted(str(d) for d in _NAMES)})")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError("write_safetensors: metadata keys and values must be str, but got "
+                                f"{k!r}: {type(v).__name__}")
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _PAGE)
+    start = 8 + len(raw)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(start + offset)
+    if offset == 0:
+        return
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), start + offset) as mm:
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=offset)
+        for name, t in tensors.items():
+            b, e = header[name]["data_offsets"]
+            if e > b:
+                src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                data[b:e].copy_(src)
+        del data, src
+        mm.flush()
+
+
+class SafetensorsFile:
+    """A safetensors file mapped read-only (copy-on-write, so no write can reach the file).
+
+    ``get(name)`` is a zero-copy view of the mapping; ``byte_range(name)`` its place in the file,
+    for :meth:`release` (drop the pages from this process's mapping, and optionally from the
+    page cache)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise FileNotFoundError(f"SafetensorsFile: cannot open {self.path!r}: {e}") from None
+        try:
+            self._read_header()
+        except Exception:
+            os.close(self._fd)
+            raise
+
+    def _fail(self, what: str):
+        raise ValueError(f"SafetensorsFile: {self.path!r} is not a valid safetensors file: {what}")
+
+    def _read_header(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size < 8:
+            self._fail(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        if n > min(size - 8, _MAX_HEADER):
+            self._fail(f"header length {n} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(os.pread(self._fd, n, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._fail(f"header is not JSON ({e})")
+        if not isinstance(header, dict):
+            self._fail("header is not a JSON object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._start = 8 + n
+        data_size = size - self._start
+        self._entries = {}
+        end_seen = 0
+        for name, entry in sorted(header.items(), key=lambda kv: _begin(kv[1])):
+            if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+                self._fail(f"entry {name!r} is not {{dtype, shape, data_offsets}}")
+            dtype = DTYPES.get(entry["dtype"])
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if dtype is None:
+                self._fail(f"entry {name!r} has unknown dtype {entry['dtype']!r}")
+            if not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
+                self._fail(f"entry {name!r} has shape {shape!r}, not a list of sizes")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+                self._fail(f"entry {name!r} has data_offsets {offsets!r}")
+            b, e = offsets
+            numel = 1
+            for s in shape:
+                numel *= s
+            if e - b != numel * dtype.itemsize:
+                self._fail(f"entry {name!r} holds {e - b} bytes, but {entry['dtype']} {shape} needs "
+                           f"{numel * dtype.itemsize}")
+            if b != end_seen or e > data_size:
+                self._fail(f"entry {name!r} at bytes [{b}, {e}) overlaps another, leaves a hole or "
+                           f"runs past the data ({data_size} bytes)")
+            end_seen = e
+            self._entries[name] = (dtype, tuple(shape), b, e)
+        self._mm = (mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY) if size > 0 else None)
+
+    def keys(self):
+        return self._entries.keys()
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple]:
+        """``(dtype, shape)`` of ``name``."""
+        dtype, shape, _, _ = self._entry(name)
+        return dtype, shape
+
+    def _entry(self, name):
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"SafetensorsFile: {self.path!r} has no tensor {name!r}") from None
+
+    def get(self, name: str) -> Tensor:
+        """A view of ``name`` in the mapping (read lazily, page by page)."""
+        dtype, shape, b, e = self._entry(name)
+        if e == b:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._mm, dtype=dtype, count=(e - b) // dtype.itemsize,
+                                offset=self._start + b).view(shape)
+
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """``(offset, length)`` of ``name``'s bytes in the file."""
+        _, _, b, e = self._entry(name)
+        return self._start + b, e - b
+
+    def release(self, offset: int, length: int, page_cache: bool = False) -> None:
+        """Unmaps ``[offset, offset + length)`` from this process (its resident set shrinks; the
+        pages stay in the page cache), and with ``page_cache`` drops them from the page cache too
+        (``POSIX_FADV_DONTNEED``: the next read goes to the disk). In that order: the kernel does
+        not drop pages that a process still maps."""
+        if length <= 0 or self._mm is None:
+            return
+        lo = offset - offset % _PAGE
+        self._mm.madvise(mmap.MADV_DONTNEED, lo, offset + length - lo)
+        if page_cache:
+            os.posix_fadvise(self._fd, lo, offset + length - lo, os.POSIX_FADV_DONTNEED)
+
+    def drop_page_cache(self) -> None:
+        """Drops the whole file from this mapping and from the page cache (a cold start)."""
+        if self._mm is not None:
+            self._mm.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def mapping_address(self) -> Optional[int]:
+        """Start address of the mapping (to find it in ``/proc/self/smaps``)."""
+        if self._mm is None:
+            return None
+        return torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
+
+    def close(self) -> None:
+        if getattr(self, "_mm", None) is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                # views of the mapping are still alive; the mapping goes with the last of them
+                pass
+            self._mm = None
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _begin(entry) -> int:
+    try:
+        return int(entry["data_offsets"][0])
+    except (TypeError, KeyError, IndexError, ValueError):
+        return -1

@@ -1,0 +1,159 @@
+"""Who copies experts from the slow tier into cache slots, and how the compute waits for it.
+
+* :class:`ThreadLoader` (CPU): one background thread runs the copies, demand loads before
+  prefetches (a priority queue). ``Tensor.copy_`` releases the GIL, so a copy overlaps the
+  compute of the main thread. One thread: two copies never write one slot at once, and a load
+  queued for a slot whose expert was evicted before the copy started is skipped.
+* :class:`StreamLoader` (CUDA): copies are issued at once, ``non_blocking``, on a side stream;
+  an event recorded after each copy is what the compute stream waits on (no host stall), and a
+  slot is overwritten only after the compute stream has passed the event recorded when its
+  last user released it.
+* :class:`InlineLoader`: no prefetch; each copy runs on the calling thread when it is needed.
+
+``submit(job, priority)`` returns a ticket; ``wait(ticket)`` returns the seconds the calling
+thread was blocked (the stall). ``released(slot_key)`` marks the point after which a slot may be
+overwritten.
+"""
+
+import heapq
+import itertools
+import threading
+import time
+
+import torch
+
+__all__ = ["ThreadLoader", "StreamLoader", "InlineLoader", "make_loader"]
+
+DEMAND, NEXT_PASS, NEXT_LAYER = 0, 1, 2
+
+
+class _Ticket:
+    __slots__ = ("done", "error", "seconds")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error = None
+        self.seconds = 0.0
+
+
+class InlineLoader:
+    asynchronous = False
+
+    def submit(self, job, priority: int = DEMAND, slot_key=None):
+        ticket = _Ticket()
+        start = time.perf_counter()
+        job(False)
+        # the copy ran here, on the compute thread: all of its time is stall
+        ticket.seconds = time.perf_counter() - start
+        ticket.done.set()
+        return ticket
+
+    def wait(self, ticket) -> float:
+        seconds, ticket.seconds = ticket.seconds, 0.0
+        return seconds
+
+    def released(self, slot_key) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadLoader:
+    asynchronous = True
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="torch_moe-expert-loader",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job, priority: int = DEMAND, slot_key=None):
+        ticket = _Ticket()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("expert store: the loader is closed (ExpertStore.close() was "
+                                   "called)")
+            heapq.heappush(self._heap, (priority, next(self._seq), job, ticket))
+            self._cv.notify()
+        return ticket
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, job, ticket = heapq.heappop(self._heap)
+            try:
+                job(False)
+            except BaseException as e:  # handed to the waiter, raised on the compute thread
+                ticket.error = e
+            ticket.done.set()
+
+    def wait(self, ticket) -> float:
+        if ticket.done.is_set():
+            stall = 0.0
+        else:
+            start = time.perf_counter()
+            ticket.done.wait()
+            stall = time.perf_counter() - start
+        if ticket.error is not None:
+            error, ticket.error = ticket.error, None
+            raise RuntimeError(f"expert store: loading an expert failed: {error}") from error
+        return stall
+
+    def released(self, slot_key) -> None:
+        pass
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+
+class StreamLoader:
+    asynchronous = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._free: dict = {}
+
+    def submit(self, job, priority: int = DEMAND, slot_key=None):
+        # the side stream must not overwrite a slot that queued compute still reads
+        free = self._free.pop(slot_key, None)
+        with torch.cuda.stream(self.stream):
+            if free is not None:
+                self.stream.wait_event(free)
+            job(True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def wait(self, ticket) -> float:
+        torch.cuda.current_stream(self.device).wait_event(ticket)
+        return 0.0  # the host does not wait: the compute stream does
+
+    def released(self, slot_key) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._free[slot_key] = event
+
+    def close(self) -> None:
+        pass
+
+
+def make_loader(device: torch.device, asynchronous: bool):
+    """A :class:`StreamLoader` for a CUDA cache, else a :class:`ThreadLoader`; an
+    :class:`InlineLoader` without ``asynchronous`` (no prefetch)."""
+    if not asynchronous:
+        return InlineLoader()
+    if device.type == "cuda":
+        return StreamLoader(device)
+    return ThreadLoader()

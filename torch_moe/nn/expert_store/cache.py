@@ -1,0 +1,235 @@
+"""The fast tier: a fixed number of expert slots per layer, and the cache that fills them.
+
+``ExpertCache`` owns preallocated slot tensors (``slots["w1"] [C, D, F]``, ``slots["w3"]
+[C, D, F]``, ``slots["w2"] [C, F, D]``, biases ``[C, F]`` / ``[C, D]``) on the compute device,
+the map expert -> slot, a pin count per slot and an eviction policy. Nothing is allocated after
+construction: a load copies into a slot.
+
+Invariants (each kept by one method):
+* a pinned slot (``acquire`` until ``release``) is never chosen as a victim, so neither a
+  demand load nor a prefetch can overwrite what a computation reads;
+* within a step (``begin_step`` .. ``end_step``), an expert the step needs and that is resident
+  is never evicted, so no needed expert is read twice in one step;
+* a slot's expert is usable only after its load's ticket has been waited on (``acquire``).
+
+All cache state is read and written by the compute thread only; a loader thread only runs the
+copy jobs, which check a per-slot generation so that a load whose slot was reassigned before it
+ran does nothing.
+"""
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, fields
+
+import torch
+
+from torch_moe.nn.expert_store._loader import DEMAND
+from torch_moe.nn.expert_store.policy import make_policy
+from torch_moe.nn.expert_store.tiers import ExpertSpec, SlowTier
+
+__all__ = ["CacheStats", "ExpertCache"]
+
+
+@dataclass
+class CacheStats:
+    """Counters of one layer's cache (or their sum over layers).
+
+    requests: needed experts, counted once per step. hits / misses: needed experts resident /
+    not resident when the step began. prefetch_hits: hits on an expert that a prefetch from an
+    earlier layer brought in. prefetches: loads issued ahead of need. loads, bytes_moved: copies
+    from the slow tier actually run. stall_s: seconds the compute thread waited for loads.
+    max_reads_per_step: the most times one expert was read within one step (1 means no expert is
+    ever read twice for one step).
+    """
+
+    steps: int = 0
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    prefetch_hits: int = 0
+    prefetches: int = 0
+    loads: int = 0
+    bytes_moved: int = 0
+    stall_s: float = 0.0
+    max_reads_per_step: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else float("nan")
+
+    def __add__(self, other: "CacheStats") -> "CacheStats":
+        out = CacheStats()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(out, f.name, max(a, b) if f.name == "max_reads_per_step" else a + b)
+        return out
+
+
+class ExpertCache:
+    def __init__(self, layer: str, spec: ExpertSpec, tier: SlowTier, num_slots: int,
+                 device: torch.device, policy: str, loader):
+        self.layer, self.spec, self.tier, self.loader = layer, spec, tier, loader
+        self.num_slots = num_slots
+        self.device = device
+        self.policy = make_policy(policy)
+        self.slots = {name: torch.empty((num_slots, *shape), dtype=spec.dtype, device=device)
+                      for name, shape in spec.shapes.items()}
+        self._expert = [None] * num_slots     # expert held (or being loaded) by each slot
+        self._slot_of: dict = {}              # expert -> slot
+        self._pins = [0] * num_slots
+        self._ticket = [None] * num_slots     # the load a slot's user must wait for
+        self._gen = [0] * num_slots           # bumped when a slot is reassigned
+        self._prefetched = [False] * num_slots
+        self._reserved: set = set()           # needed by passes of this step yet to run
+        self._step = 0
+        self._reads: Counter = Counter()      # (step, expert) -> reads
+        self._lock = threading.Lock()         # the loader thread updates loads / bytes / reads
+        self.stats = CacheStats()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def begin_step(self, needed: list) -> None:
+        """A computation over ``needed`` (expert ids) starts: count hits and misses, tell the
+        policy, and protect the needed experts from eviction until their pass has run
+        (:meth:`finished`)."""
+        self._check_frozen()
+        s = self.stats
+        self._step += 1
+        s.steps += 1
+        s.requests += len(needed)
+        for e in needed:
+            slot = self._slot_of.get(e)
+            if slot is None:
+                s.misses += 1
+            else:
+                s.hits += 1
+                if self._prefetched[slot]:
+                    s.prefetch_hits += 1
+                    self._prefetched[slot] = False
+            self.policy.touch(e)
+        self._reserved = set(needed)
+        with self._lock:  # forget the reads of finished steps
+            for key in [k for k in self._reads if k[0] < self._step - 1]:
+                del self._reads[key]
+
+    def finished(self, experts: list) -> None:
+        """The step is done with ``experts`` (their pass ran): they may be evicted again."""
+        self._reserved.difference_update(experts)
+
+    def end_step(self) -> None:
+        self._reserved = set()
+
+    def resident(self, expert: int) -> bool:
+        return expert in self._slot_of
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def acquire(self, experts: list) -> list:
+        """Slots holding ``experts``, loaded (demand loads for the missing ones) and pinned."""
+        slots = []
+        for e in experts:
+            slot = self._slot_of.get(e)
+            if slot is None:
+                slot = self._victim_slot(protect=experts)
+                if slot is None:
+                    raise RuntimeError(
+                        f"expert cache of layer {self.layer!r}: no slot for expert {e}: all "
+                        f"{self.num_slots} slots are pinned or hold experts this step needs")
+                self._load(slot, e, DEMAND, prefetched=False, step=self._step)
+            self._prefetched[slot] = False
+            self._pins[slot] += 1
+            slots.append(slot)
+        for slot in slots:
+            ticket = self._ticket[slot]
+            if ticket is not None:
+                self._ticket[slot] = None
+                self.stats.stall_s += self.loader.wait(ticket)
+        return slots
+
+    def release(self, slots: list) -> None:
+        for slot in slots:
+            if self._pins[slot] <= 0:
+                raise RuntimeError(f"expert cache of layer {self.layer!r}: slot {slot} released "
+                                   "more often than acquired")
+            self._pins[slot] -= 1
+            if self._pins[slot] == 0:
+                self.loader.released((id(self), slot))
+
+    def prefetch(self, experts: list, priority: int, next_step: bool) -> int:
+        """Starts loading those of ``experts`` (most wanted first) that are not resident, into
+        slots that are free or hold evictable experts, without waiting; stops when no slot is
+        left. ``next_step``: the experts are for the layer's next step (a prediction made in an
+        earlier layer) rather than for a later pass of this one. Returns the loads issued."""
+        issued, protect = 0, set(experts)
+        for e in experts:
+            if e in self._slot_of:
+                continue
+            slot = self._victim_slot(protect=protect)
+            if slot is None:
+                break
+            self._load(slot, e, priority, prefetched=next_step,
+                       step=self._step + 1 if next_step else self._step)
+            self.stats.prefetches += 1
+            issued += 1
+        return issued
+
+    def _victim_slot(self, protect):
+        """A free slot, else the policy's victim among slots that are neither pinned nor hold an
+        expert in ``protect`` or needed by the current step; None if there is none."""
+        candidates = []
+        for slot, e in enumerate(self._expert):
+            if self._pins[slot]:
+                continue
+            if e is None:
+                return slot
+            if e not in self._reserved and e not in protect:
+                candidates.append(e)
+        if not candidates:
+            return None
+        e = self.policy.victim(candidates)
+        slot = self._slot_of.pop(e)
+        self._expert[slot] = None
+        return slot
+
+    def _load(self, slot: int, expert: int, priority: int, prefetched: bool, step: int) -> None:
+        self._gen[slot] += 1
+        gen = self._gen[slot]
+        self._expert[slot] = expert
+        self._slot_of[expert] = slot
+        self._prefetched[slot] = prefetched
+        dst = {name: t[slot] for name, t in self.slots.items()}
+        nbytes = self.spec.nbytes()
+
+        def job(non_blocking: bool) -> None:
+            if self._gen[slot] != gen:
+                return  # the slot was given to another expert before this copy started
+            with torch.no_grad():  # grad mode is per thread: the loader's is on
+                self.tier.read_into(self.layer, expert, dst, non_blocking)
+            with self._lock:
+                s = self.stats
+                s.loads += 1
+                s.bytes_moved += nbytes
+                self._reads[(step, expert)] += 1
+                s.max_reads_per_step = max(s.max_reads_per_step, self._reads[(step, expert)])
+
+        self._ticket[slot] = self.loader.submit(job, priority, slot_key=(id(self), slot))
+
+    def drain(self) -> None:
+        """Waits for every pending load (e.g. before timing or closing)."""
+        for slot, ticket in enumerate(self._ticket):
+            if ticket is not None:
+                self._ticket[slot] = None
+                self.loader.wait(ticket)
+
+    def _check_frozen(self) -> None:
+        for name, t in self.slots.items():
+            if t.requires_grad:
+                raise RuntimeError(
+                    f"expert cache of layer {self.layer!r}: the expert weights of an expert store "
+                    f"are frozen, but slots[{name!r}] requires grad; train the router, the shared "
+                    "experts and the rest of the model, or keep the experts resident "
+                    "(load_experts) to train them")
+
+    def reset_stats(self) -> None:
+        self.drain()
+        self.stats = CacheStats()

@@ -1,0 +1,299 @@
+"""Routed experts computed from an :class:`~torch_moe.nn.expert_store.cache.ExpertCache`.
+
+:class:`OffloadedExperts` stands in for :class:`~torch_moe.nn.GroupedExperts` inside an
+:class:`~torch_moe.nn.MoE` (same ``forward`` signature: the rows sorted by ``token_sort``), with
+frozen experts: gradients reach the tokens and the routing weights (so the router, the shared
+experts and everything before the layer train), never the experts.
+
+Passes, and why the result is bit-identical to the resident layer
+-----------------------------------------------------------------
+When the experts a step needs do not fit in the cache, the step runs in passes over chunks of
+experts. Summing per-pass outputs (``out_1 + out_2``) would change the association of each
+token's fp32 sum. Instead, each pass computes the *unweighted* output of every sorted slot of
+its experts, ``o_i = FFN_e(x_t)`` (independent of the pass), with the fused op run on a problem
+in which every sorted slot is a token of its own with routing weight 1 (``1.0 * o_i`` and
+``0 + o_i`` are exact); each expert's rows are one GEMM group of the same size as in the
+resident op. After the last pass the slots are weighted and combined once, in ascending sorted
+slot order, starting from zeros, by ``index_add_`` in fp32: the sequence of roundings of the
+resident kernel (``torch_moe._native.cpu.grouped_ffn``). The backward does the same with
+``grouped_ffn_backward``: per-slot ``dX_i`` and ``<dA_i, act_i>`` from passes, then one
+ordered ``index_add_`` into ``grad_x``.
+
+Pass order: experts already resident first, then the missing ones; with prefetch, a pass uses
+half of the slots so that the next pass's experts load into the other half while it computes.
+
+Prefetch: before its own passes, a layer predicts the experts of the next layer by running the
+next layer's router on its own input (``prefetch="router"``) or takes the experts the next
+layer used last time (``"previous"``), and queues their loads behind its own; the backward of a
+layer prefetches exactly what the previous layer's forward used.
+"""
+
+from typing import Optional
+
+import torch
+from torch import nn, Tensor
+
+from torch_moe.nn import _checks as C
+from torch_moe.nn.expert_store._loader import NEXT_LAYER, NEXT_PASS
+from torch_moe.nn.expert_store.cache import ExpertCache
+
+__all__ = ["OffloadedExperts", "PREFETCH"]
+
+PREFETCH = (None, "router", "previous")
+
+
+class OffloadedExperts(nn.Module):
+    """The routed experts of one MoE layer, read through an expert cache (no parameters)."""
+
+    def __init__(self, config, cache: ExpertCache, prefetch: Optional[str] = "router"):
+        super().__init__()
+        if prefetch not in PREFETCH:
+            raise ValueError(f"OffloadedExperts: expected prefetch in {PREFETCH}, but got "
+                             f"{prefetch!r}")
+        self.config = config
+        self.cache = cache
+        self.prefetch = prefetch
+        # set by link(): the experts and router of the next and previous MoE layers
+        self._links = {"next": None, "next_router": None, "prev": None}
+        self._last_needed: list = []
+
+    def link(self, next_layer=None, next_router=None, prev_layer=None) -> None:
+        """Names the layers this one prefetches for (``offload_experts`` links consecutive
+        layers). Held in a plain dict, not as submodules: the neighbours' parameters stay
+        theirs (``named_parameters``, ``state_dict``) and the links make no module cycle."""
+        if next_layer is not None:
+            self._links["next"] = next_layer
+        if next_router is not None:
+            self._links["next_router"] = next_router
+        if prev_layer is not None:
+            self._links["prev"] = prev_layer
+
+    @property
+    def _next(self):
+        return self._links["next"]
+
+    @property
+    def _next_router(self):
+        return self._links["next_router"]
+
+    @property
+    def _prev(self):
+        return self._links["prev"]
+
+    def extra_repr(self) -> str:
+        c = self.cache
+        return (f"layer={c.layer!r}, num_experts={c.spec.num_experts}, "
+                f"cache_experts={c.num_slots}, policy={type(c.policy).__name__}, "
+                f"prefetch={self.prefetch!r}")
+
+    def forward(self, x_TD, sorted_ids, offs, topk_weights, topk_ids=None) -> Tensor:
+        """``y [T, D]`` as :meth:`GroupedExperts.forward` computes it (``offs`` from
+        ``token_sort`` without alignment)."""
+        c = self.config
+        C.check_tokens("OffloadedExperts", "x", x_TD, c.dim)
+        E = self.cache.spec.num_experts
+        if offs.dim() != 1 or offs.numel() != E:
+            raise ValueError(f"OffloadedExperts: expected offs [{E}] (one group per expert), but "
+                             f"got shape {tuple(offs.shape)}")
+        if topk_weights.dim() != 2 or topk_weights.size(0) != x_TD.size(0):
+            raise ValueError(f"OffloadedExperts: expected topk_weights [{x_TD.size(0)}, k], but "
+                             f"got shape {tuple(topk_weights.shape)}")
+        x_TD = x_TD.to(self.cache.spec.dtype)
+        return _OffloadedFFN.apply(x_TD, topk_weights, self, sorted_ids, offs)
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _prefetch_next(self, x_TD: Tensor) -> None:
+        nxt = self._next
+        if nxt is None or self.prefetch is None:
+            return
+        if self.prefetch == "router" and self._next_router is not None:
+            logits = self._next_router.logits(x_TD)
+            k = nxt.config.top_k
+            ids = torch.topk(logits, k, dim=-1).indices.reshape(-1)
+            counts = torch.bincount(ids, minlength=nxt.cache.spec.num_experts)
+            # most wanted first: a prediction larger than the cache keeps its best experts
+            order = torch.argsort(counts, descending=True, stable=True)
+            wanted = order[: int((counts > 0).sum())].tolist()
+        else:
+            wanted = list(nxt._last_needed)
+        nxt.cache.prefetch(wanted[: nxt.cache.num_slots], NEXT_LAYER, next_step=True)
+
+    def _prefetch_prev_backward(self) -> None:
+        prev = self._prev
+        if prev is not None and self.prefetch is not None:
+            prev.cache.prefetch(prev._last_needed[: prev.cache.num_slots], NEXT_LAYER,
+                                next_step=True)
+
+    # -- passes -----------------------------------------------------------------------------
+
+    def _plan(self, needed: list) -> list:
+        """Chunks of ``needed`` for the passes: resident experts first."""
+        cache = self.cache
+        order = ([e for e in needed if cache.resident(e)]
+                 + [e for e in needed if not cache.resident(e)])
+        C_ = cache.num_slots
+        if len(order) <= C_:
+            return [order]
+        # double buffering: the next pass's loads go to the slots this pass does not hold
+        size = max(1, C_ // 2) if cache.loader.asynchronous else C_
+        return [order[i : i + size] for i in range(0, len(order), size)]
+
+    def _run_passes(self, needed: list, compute, after_first=None) -> None:
+        """Runs ``compute(experts, slots)`` over the passes of ``needed``, each pass's experts
+        pinned while it runs, the next pass's loads queued before it runs."""
+        cache = self.cache
+        passes = self._plan(needed)
+        cache.begin_step(needed)
+        try:
+            for i, chunk in enumerate(passes):
+                slots = cache.acquire(chunk)
+                try:
+                    if i + 1 < len(passes) and cache.loader.asynchronous:
+                        cache.prefetch(passes[i + 1], NEXT_PASS, next_step=False)
+                    if i == 0 and after_first is not None:
+                        after_first()
+                    compute(chunk, slots)
+                finally:
+                    cache.release(slots)
+                cache.finished(chunk)
+        finally:
+            cache.end_step()
+
+
+class _Routing:
+    """The sorted slots of a step, read on the host once: group bounds per expert, the token of
+    each sorted slot (``rows [n]``) and its routing weight (``w_S [n]``, fp32), for the
+    ``n = offs[-1]`` slots that a group holds (a capacity limit's dropped tail is left out, as
+    the fused op leaves it)."""
+
+    def __init__(self, sorted_ids: Tensor, offs: Tensor, topk_weights: Tensor, acc: torch.dtype):
+        ends = offs.tolist()
+        self.bounds = {}
+        start = 0
+        for e, end in enumerate(ends):
+            if end < start:
+                raise ValueError(f"OffloadedExperts: expected offs non-decreasing, but offs[{e}] = "
+                                 f"{end} < {start}")
+            if end > start:
+                self.bounds[e] = (start, end)
+            start = end
+        if start > sorted_ids.numel():
+            raise ValueError(f"OffloadedExperts: offs[-1] = {start} exceeds the {sorted_ids.numel()} "
+                             "sorted slots")
+        self.n = start
+        self.needed = list(self.bounds)
+        ids = sorted_ids[:start]
+        k = topk_weights.size(1)
+        if start and (int(ids.min()) < 0 or int(ids.max()) >= topk_weights.numel()):
+            raise ValueError("OffloadedExperts: expected sorted_ids in [0, T * k) inside the groups "
+                             "(align=1, as token_sort gives)")
+        self.ids = ids
+        self.rows = torch.div(ids, k, rounding_mode="floor")
+        self.w_S = topk_weights.reshape(-1)[ids].to(acc)
+
+    def pass_layout(self, experts: list, slots: list, num_slots: int, device):
+        """For a pass over ``experts`` in cache ``slots``: the positions (into the sorted slots) of
+        its rows, grouped by slot in ascending slot order, and the ``offs [C]`` of that order."""
+        by_slot = sorted(zip(slots, experts))
+        sizes = [0] * num_slots
+        pieces = []
+        for slot, e in by_slot:
+            s, t = self.bounds[e]
+            sizes[slot] = t - s
+            pieces.append(torch.arange(s, t, device=device))
+        pos = torch.cat(pieces)
+        offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+        return pos, offs
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    # what the fused op accumulates the combine in
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _OffloadedFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, module, sorted_ids, offs):
+        cache, cfg = module.cache, module.config
+        acc = _accumulate_dtype(x.dtype)
+        r = _Routing(sorted_ids, offs, topk_weights, acc)
+        T, D = x.shape
+        H = (2 if cfg.gated else 1) * cfg.hidden_dim
+        o_S = x.new_empty((r.n, D))
+        hidden_S = x.new_empty((r.n, H))
+        slots_t = cache.slots
+        act = (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        biases = {n: slots_t[n] for n in ("b1", "b2", "b3") if n in slots_t}
+
+        def compute(experts, slots):
+            pos, offs_p = r.pass_layout(experts, slots, cache.num_slots, x.device)
+            x_p = x[r.rows[pos]]
+            n = pos.numel()
+            self_ids = torch.arange(n, device=x.device)
+            ones = torch.ones((n, 1), dtype=topk_weights.dtype, device=x.device)
+            out_p, hidden_p = torch.ops.torch_moe.grouped_ffn(
+                x_p, self_ids, offs_p, ones, slots_t["w1"], slots_t["w2"], slots_t.get("w3"),
+                *act, **biases)
+            o_S[pos] = out_p
+            hidden_S[pos] = hidden_p
+
+        module._last_needed = r.needed
+        module._run_passes(r.needed, compute, after_first=lambda: module._prefetch_next(x))
+        if not r.needed:
+            module._prefetch_next(x)
+        # weight and combine once, in sorted-slot order, from zeros, in the accumulation dtype
+        y = o_S.to(acc) if o_S.dtype != acc else o_S
+        y.mul_(r.w_S.unsqueeze(1))
+        out = torch.zeros((T, D), dtype=acc, device=x.device)
+        if r.n:
+            out.index_add_(0, r.rows, y)
+        ctx.module = module
+        ctx.save_for_backward(x, topk_weights, sorted_ids, offs, hidden_S)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, topk_weights, sorted_ids, offs, hidden_S = ctx.saved_tensors
+        module = ctx.module
+        cache, cfg = module.cache, module.config
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = _accumulate_dtype(x.dtype)
+        r = _Routing(sorted_ids, offs, topk_weights, acc)
+        T, D = x.shape
+        gx_S = x.new_empty((r.n, D)) if want_x else None
+        gw_S = torch.empty(r.n, dtype=topk_weights.dtype, device=x.device) if want_w else None
+        slots_t = cache.slots
+        biases = {n: slots_t[n] for n in ("b1", "b2", "b3") if n in slots_t}
+        mask = [want_x, want_w] + [False] * 6
+        grad = grad.contiguous()
+
+        def compute(experts, slots):
+            pos, offs_p = r.pass_layout(experts, slots, cache.num_slots, x.device)
+            rows = r.rows[pos]
+            n = pos.numel()
+            self_ids = torch.arange(n, device=x.device)
+            w_p = topk_weights.reshape(-1)[r.ids[pos]].reshape(n, 1)
+            gx_p, gw_p, *_ = torch.ops.torch_moe.grouped_ffn_backward(
+                grad[rows], x[rows], self_ids, offs_p, w_p, slots_t["w1"], slots_t["w2"],
+                slots_t.get("w3"), hidden_S[pos], cfg.activation, cfg.swiglu_alpha,
+                cfg.swiglu_limit, mask, **biases)
+            if want_x:
+                gx_S[pos] = gx_p
+            if want_w:
+                gw_S[pos] = gw_p.reshape(n)
+
+        if want_x or want_w:
+            module._run_passes(r.needed, compute, after_first=module._prefetch_prev_backward)
+        grad_x = grad_w = None
+        if want_x:
+            acc_x = torch.zeros((T, D), dtype=acc, device=x.device)
+            if r.n:
+                acc_x.index_add_(0, r.rows, gx_S if gx_S.dtype == acc else gx_S.to(acc))
+            grad_x = acc_x if acc_x.dtype == x.dtype else acc_x.to(x.dtype)
+        if want_w:
+            grad_w = torch.zeros(topk_weights.numel(), dtype=topk_weights.dtype, device=x.device)
+            grad_w[r.ids] = gw_S
+            grad_w = grad_w.view(topk_weights.shape)
+        return grad_x, grad_w, None, None, None

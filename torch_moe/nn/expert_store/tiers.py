@@ -1,0 +1,153 @@
+"""The slow tier of an expert store: where every expert of every layer lives.
+
+Two tiers behind one interface, :class:`SlowTier`:
+
+* :class:`FileTier`: a safetensors file, memory-mapped (the CPU tier). An expert is read when it
+  is copied into a cache slot; its pages are then unmapped from the process (the resident set
+  holds the cache, not the file) and, with ``drop_page_cache``, dropped from the page cache too,
+  so that every read goes to the disk (a file larger than RAM).
+* :class:`HostTier`: host tensors, pinned when the cache lives on a GPU (the GPU tier): copies
+  from pinned memory to the device are asynchronous DMA on a side stream.
+
+An expert is a set of named tensors (``w1 [D, F]``, ``w3 [D, F]``, ``w2 [F, D]``, optional
+biases), described by an :class:`ExpertSpec`. File keys are ``{layer}.experts.{e}.{name}``
+(``experts.{e}.{name}`` for an unnamed layer): one expert's tensors are adjacent in the file,
+so that a load is one sequential read.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_moe.nn.expert_store._format import SafetensorsFile
+
+__all__ = ["ExpertSpec", "expert_key", "SlowTier", "FileTier", "HostTier"]
+
+# the per-expert tensors of a GroupedExperts, in file order
+EXPERT_TENSORS = ("w1", "w3", "w2", "b1", "b3", "b2")
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """The tensors of one expert: ``shapes[name]`` (without the expert dim) and their dtype."""
+
+    num_experts: int
+    shapes: dict
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, experts) -> "ExpertSpec":
+        """The spec of a :class:`~torch_moe.nn.GroupedExperts` (its present weights)."""
+        shapes = {}
+        for name in EXPERT_TENSORS:
+            w = getattr(experts, name, None)
+            if w is not None:
+                shapes[name] = tuple(w.shape[1:])
+        return cls(experts.w1.size(0), shapes, experts.w1.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes of one expert."""
+        total = 0
+        for shape in self.shapes.values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * self.dtype.itemsize
+        return total
+
+
+def expert_key(layer: str, expert: int, name: str) -> str:
+    return f"{layer}.experts.{expert}.{name}" if layer else f"experts.{expert}.{name}"
+
+
+class SlowTier:
+    """Where the experts live. ``read_into(layer, e, dst)`` copies expert ``e`` of ``layer`` into
+    ``dst`` (name -> tensor of the spec's shape, a cache slot), with ``non_blocking`` where the
+    copy can be asynchronous (pinned host to GPU)."""
+
+    def check_layer(self, layer: str, spec: ExpertSpec) -> None:
+        raise NotImplementedError
+
+    def read_into(self, layer: str, expert: int, dst: dict, non_blocking: bool = False) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class FileTier(SlowTier):
+    """Experts in a safetensors file (see :func:`~torch_moe.nn.expert_store.save_experts`),
+    mapped, read on demand."""
+
+    def __init__(self, path, drop_page_cache: bool = False):
+        self.file = SafetensorsFile(path)
+        self.drop_page_cache = drop_page_cache
+
+    def check_layer(self, layer: str, spec: ExpertSpec) -> None:
+        """Every expert of ``layer`` is in the file with the spec's shapes and dtype."""
+        f = self.file
+        where = f"layer {layer!r}" if layer else "the (unnamed) layer"
+        if not any(k in f for k in (expert_key(layer, 0, n) for n in spec.shapes)):
+            raise KeyError(f"offload_experts: {f.path!r} holds no experts of {where} (no key "
+                           f"{expert_key(layer, 0, 'w1')!r}); was it written by save_experts for "
+                           "this model?")
+        for e in range(spec.num_experts):
+            for name, shape in spec.shapes.items():
+                key = expert_key(layer, e, name)
+                if key not in f:
+                    raise KeyError(f"offload_experts: {f.path!r} misses {key!r} (expert {e} of "
+                                   f"{where}, {spec.num_experts} experts expected)")
+                dtype, got = f.info(key)
+                if got != shape or dtype != spec.dtype:
+                    raise ValueError(f"offload_experts: {key!r} in {f.path!r} is {dtype} "
+                                     f"{list(got)}, but the layer expects {spec.dtype} {list(shape)}")
+        extra = expert_key(layer, spec.num_experts, next(iter(spec.shapes)))
+        if extra in f:
+            raise ValueError(f"offload_experts: {f.path!r} holds more than the {spec.num_experts} "
+                             f"experts of {where} (found {extra!r})")
+
+    def read_into(self, layer: str, expert: int, dst: dict, non_blocking: bool = False) -> None:
+        for name, slot in dst.items():
+            key = expert_key(layer, expert, name)
+            slot.copy_(self.file.get(key), non_blocking=non_blocking)
+            self.file.release(*self.file.byte_range(key), page_cache=self.drop_page_cache)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class HostTier(SlowTier):
+    """Experts in host memory: ``tensors[layer][name]`` of shape ``[E, *spec.shapes[name]]``,
+    pinned with ``pin_memory`` (what a GPU cache needs for asynchronous copies)."""
+
+    def __init__(self, pin_memory: bool):
+        self.pin_memory = pin_memory
+        self.tensors: dict = {}
+
+    @classmethod
+    def from_file(cls, path, layers: dict, pin_memory: bool) -> "HostTier":
+        """Reads each layer's experts (``layers``: name -> spec) from a safetensors file once."""
+        tier, files = cls(pin_memory), FileTier(path)
+        try:
+            for layer, spec in layers.items():
+                files.check_layer(layer, spec)
+                stacked = {name: torch.empty((spec.num_experts, *shape), dtype=spec.dtype,
+                                             pin_memory=pin_memory)
+                           for name, shape in spec.shapes.items()}
+                for e in range(spec.num_experts):
+                    files.read_into(layer, e, {n: t[e] for n, t in stacked.items()})
+                tier.tensors[layer] = stacked
+        finally:
+            files.close()
+        return tier
+
+    def check_layer(self, layer: str, spec: ExpertSpec) -> None:
+        if layer not in self.tensors:
+            raise KeyError(f"offload_experts: the host tier holds no experts of layer {layer!r}")
+
+    def read_into(self, layer: str, expert: int, dst: dict, non_blocking: bool = False) -> None:
+        src = self.tensors[layer]
+        for name, slot in dst.items():
+            slot.copy_(src[name][expert], non_blocking=non_blocking)
