@@ -38,6 +38,7 @@ class _Ticket:
 
 class InlineLoader:
     asynchronous = False
+    cancellable = False
 
     def submit(self, job, priority: int = DEMAND, slot_key=None):
         ticket = _Ticket()
@@ -61,6 +62,7 @@ class InlineLoader:
 
 class ThreadLoader:
     asynchronous = True
+    cancellable = True  # a queued job that finds its slot reassigned does nothing
 
     def __init__(self):
         self._heap: list = []
@@ -119,6 +121,7 @@ class ThreadLoader:
 
 class StreamLoader:
     asynchronous = True
+    cancellable = False  # a copy is on the stream as soon as it is submitted
 
     def __init__(self, device: torch.device):
         self.device = device

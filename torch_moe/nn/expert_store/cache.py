@@ -108,9 +108,25 @@ class ExpertCache:
                     self._prefetched[slot] = False
             self.policy.touch(e)
         self._reserved = set(needed)
+        if self.loader.cancellable:
+            self._cancel_stale_prefetches()
         with self._lock:  # forget the reads of finished steps
             for key in [k for k in self._reads if k[0] < self._step - 1]:
                 del self._reads[key]
+
+    def _cancel_stale_prefetches(self) -> None:
+        """Prefetches for this step that have not landed and that the step does not need were
+        mispredicted: free their slots, so the loader skips the copies that have not started
+        and the bandwidth goes to loads that are needed."""
+        for slot, e in enumerate(self._expert):
+            ticket = self._ticket[slot]
+            if (e is not None and self._prefetched[slot] and e not in self._reserved
+                    and ticket is not None and not ticket.done.is_set()):
+                self._gen[slot] += 1
+                del self._slot_of[e]
+                self._expert[slot] = None
+                self._prefetched[slot] = False
+                self._ticket[slot] = None
 
     def finished(self, experts: list) -> None:
         """The step is done with ``experts`` (their pass ran): they may be evicted again."""
@@ -125,7 +141,15 @@ class ExpertCache:
     # -- slots ------------------------------------------------------------------------------
 
     def acquire(self, experts: list) -> list:
-        """Slots holding ``experts``, loaded (demand loads for the missing ones) and pinned."""
+        """Slots holding ``experts``, loaded and pinned: :meth:`request` then :meth:`wait`."""
+        slots = self.request(experts)
+        self.wait(slots)
+        return slots
+
+    def request(self, experts: list) -> list:
+        """Pins a slot for each of ``experts`` and queues the demand loads of the missing ones,
+        without waiting for them (so that lower-priority prefetches can be queued behind them
+        before the compute thread blocks). Use the slots only after :meth:`wait`."""
         slots = []
         for e in experts:
             slot = self._slot_of.get(e)
@@ -139,12 +163,15 @@ class ExpertCache:
             self._prefetched[slot] = False
             self._pins[slot] += 1
             slots.append(slot)
+        return slots
+
+    def wait(self, slots: list) -> None:
+        """Blocks until the loads into ``slots`` are done (the stall is counted)."""
         for slot in slots:
             ticket = self._ticket[slot]
             if ticket is not None:
                 self._ticket[slot] = None
                 self.stats.stall_s += self.loader.wait(ticket)
-        return slots
 
     def release(self, slots: list) -> None:
         for slot in slots:
@@ -155,12 +182,13 @@ class ExpertCache:
             if self._pins[slot] == 0:
                 self.loader.released((id(self), slot))
 
-    def prefetch(self, experts: list, priority: int, next_step: bool) -> int:
+    def prefetch(self, experts: list, priority: int, next_step: bool, keep=()) -> int:
         """Starts loading those of ``experts`` (most wanted first) that are not resident, into
         slots that are free or hold evictable experts, without waiting; stops when no slot is
         left. ``next_step``: the experts are for the layer's next step (a prediction made in an
-        earlier layer) rather than for a later pass of this one. Returns the loads issued."""
-        issued, protect = 0, set(experts)
+        earlier layer) rather than for a later pass of this one; ``keep``: further experts not
+        to evict (predicted too, but beyond what is loaded). Returns the loads issued."""
+        issued, protect = 0, set(experts) | set(keep)
         for e in experts:
             if e in self._slot_of:
                 continue

@@ -118,7 +118,8 @@ class OffloadedExperts(nn.Module):
             wanted = order[: int((counts > 0).sum())].tolist()
         else:
             wanted = list(nxt._last_needed)
-        nxt.cache.prefetch(wanted[: nxt.cache.num_slots], NEXT_LAYER, next_step=True)
+        C_ = nxt.cache.num_slots
+        nxt.cache.prefetch(wanted[:C_], NEXT_LAYER, next_step=True, keep=wanted[C_:])
 
     def _prefetch_prev_backward(self) -> None:
         prev = self._prev
@@ -148,12 +149,14 @@ class OffloadedExperts(nn.Module):
         cache.begin_step(needed)
         try:
             for i, chunk in enumerate(passes):
-                slots = cache.acquire(chunk)
+                slots = cache.request(chunk)
                 try:
+                    # queued behind this pass's demand loads, before the compute thread waits
                     if i + 1 < len(passes) and cache.loader.asynchronous:
                         cache.prefetch(passes[i + 1], NEXT_PASS, next_step=False)
                     if i == 0 and after_first is not None:
                         after_first()
+                    cache.wait(slots)
                     compute(chunk, slots)
                 finally:
                     cache.release(slots)

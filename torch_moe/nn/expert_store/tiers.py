@@ -58,6 +58,26 @@ class ExpertSpec:
         return total
 
 
+# ATen's intra-op grain (at::internal::GRAIN_SIZE): a CPU copy of at most this many elements
+# runs on the calling thread without an OpenMP team
+_SERIAL_COPY_ELEMENTS = 32768
+
+
+def copy_into(dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)``; a CPU copy runs in pieces small enough to stay on the calling thread.
+
+    The loader thread copies while the compute thread runs its own OpenMP team on every core: a
+    copy large enough to be parallelised would start a second team and oversubscribe the cores
+    (measured: decode with prefetch at 3/4 of the speed of decode without it, on 2 cores).
+    """
+    if dst.device.type != "cpu" or dst.numel() <= _SERIAL_COPY_ELEMENTS:
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    d, s = dst.view(-1), src.reshape(-1)
+    for i in range(0, d.numel(), _SERIAL_COPY_ELEMENTS):
+        d[i : i + _SERIAL_COPY_ELEMENTS].copy_(s[i : i + _SERIAL_COPY_ELEMENTS])
+
+
 def expert_key(layer: str, expert: int, name: str) -> str:
     return f"{layer}.experts.{expert}.{name}" if layer else f"experts.{expert}.{name}"
 
@@ -109,10 +129,18 @@ class FileTier(SlowTier):
                              f"experts of {where} (found {extra!r})")
 
     def read_into(self, layer: str, expert: int, dst: dict, non_blocking: bool = False) -> None:
-        for name, slot in dst.items():
-            key = expert_key(layer, expert, name)
-            slot.copy_(self.file.get(key), non_blocking=non_blocking)
-            self.file.release(*self.file.byte_range(key), page_cache=self.drop_page_cache)
+        keys = [expert_key(layer, expert, name) for name in dst]
+        if all(t.device.type == "cpu" for t in dst.values()):
+            # straight from the file into the slots (see SafetensorsFile.read_into)
+            self.file.read_into(keys, list(dst.values()))
+        else:
+            for key, slot in zip(keys, dst.values()):
+                copy_into(slot, self.file.get(key), non_blocking)
+                self.file.release(*self.file.byte_range(key))
+        if self.drop_page_cache:
+            first, _ = self.file.byte_range(keys[0])
+            last, n = self.file.byte_range(keys[-1])
+            self.file.release(min(first, last), abs(last - first) + n, page_cache=True)
 
     def close(self) -> None:
         self.file.close()
@@ -150,4 +178,4 @@ class HostTier(SlowTier):
     def read_into(self, layer: str, expert: int, dst: dict, non_blocking: bool = False) -> None:
         src = self.tensors[layer]
         for name, slot in dst.items():
-            slot.copy_(src[name][expert], non_blocking=non_blocking)
+            copy_into(slot, src[name][expert], non_blocking)
