@@ -1,0 +1,351 @@
+"""CPU benchmark of experts larger than memory: ``torch_moe.nn.expert_store`` against the
+all-resident model.
+
+A stack of L MoE layers (``h = h + MoE(RMSNorm(h))``, E experts, top-k) whose routed experts are
+written to a safetensors file and run through a cache of C experts per layer
+(``offload_experts``), C at 1/8, 1/4 and 1/2 of E, LRU and LFU eviction, prefetch (the next
+layer's router on this layer's input) on and off. The file tier is measured cold: before every
+configuration the file's pages are unmapped and dropped from the page cache
+(``POSIX_FADV_DONTNEED``, verified at start by a cold against a warm read); inside a
+configuration the page cache fills as experts are read (as llama.cpp's mmap does), except in the
+``disk`` rows (``drop_page_cache=True``: every miss reads the disk, a file larger than RAM).
+
+Workloads:
+* decode: steps of 1, 2, ..., 8 tokens (twice), top-k of E per layer, inference;
+* batch: T=256 tokens touching every expert, forward (and one forward + backward row, the
+  fine-tuning case: the backward reads the experts again): bytes moved per token, and the
+  most times one expert was read within one step (1: never more than once).
+
+Routing: ``uniform`` (random router, random tokens: no locality, the worst case for a cache)
+and ``zipf`` (a fixed router bias ``-0.5 * log(rank + 1)`` over a random ranking per layer: the
+skewed expert popularity of trained models).
+
+Reported: tokens/s and its ratio to the resident model, hit rate, stall seconds (compute thread
+waiting for loads), prefetch hits and issued, MiB moved per token, max reads of an expert per
+step, RSS (VmRSS, and the Rss of the file's mapping from /proc/self/smaps) against the cache
+budget (slot bytes), and whether the outputs equal the resident model's (torch.equal).
+
+    python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~6 min
+    python benchmarks/offload.py --quick    # L=4, a smaller file: under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import environment_header, format_table, write_csv  # noqa: E402
+
+from torch_moe.nn import GroupedExperts, MoE, MoEConfig  # noqa: E402
+from torch_moe.nn.expert_store import offload_experts, save_experts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Model(nn.Module):
+    def __init__(self, layers, cfg):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.RMSNorm(cfg.dim) for _ in range(layers))
+        self.layers = nn.ModuleList(MoE(cfg) for _ in range(layers))
+
+    def forward(self, h):
+        for norm, moe in zip(self.norms, self.layers):
+            h = h + moe(norm(h))
+        return h
+
+
+def set_routing(model: Model, mode: str, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for moe in model.layers:
+            E = moe.config.num_experts
+            if mode == "uniform":
+                moe.router.bias.zero_()
+            else:
+                rank = torch.randperm(E, generator=g).float()
+                moe.router.bias.copy_(-0.5 * torch.log(rank + 1))
+
+
+def proc_status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def mapping_rss(address) -> int:
+    """Rss of the mapping that starts at ``address`` (bytes), from /proc/self/smaps."""
+    if address is None:
+        return 0
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start = int(head.split("-")[0], 16)
+                found = start == address
+            elif found and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def verify_fadvise(path: str, nbytes: int) -> dict:
+    """Times a read of the first ``nbytes`` of the file after POSIX_FADV_DONTNEED (cold) and
+    again right after (warm): a working drop makes the first one disk-bound."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read():
+            start, off = time.perf_counter(), 0
+            while off < nbytes:
+                chunk = os.pread(fd, 8 << 20, off)
+                if not chunk:
+                    break
+                off += len(chunk)
+            return off / (time.perf_counter() - start) / 1e9
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        cold = read()
+        warm = read()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        cold2 = read()
+    finally:
+        os.close(fd)
+    return {"cold_GBps": cold, "warm_GBps": warm, "cold_again_GBps": cold2}
+
+
+def decode_steps(D: int, reps: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, D, generator=g) for _ in range(reps) for T in range(1, 9)]
+
+
+def run_steps(model, inputs, backward: bool = False, outs=None):
+    outs = [] if outs is None else outs
+    start = time.perf_counter()
+    for x in inputs:
+        if backward:
+            x = x.clone().requires_grad_(True)
+            y = model(x)
+            y.square().mean().backward()
+            outs.append(y.detach())
+        else:
+            with torch.no_grad():
+                outs.append(model(x))
+    return time.perf_counter() - start, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--decode-reps", type=int, default=2)
+    ap.add_argument("--batch-tokens", type=int, default=256)
+    ap.add_argument("--batch-steps", type=int, default=2)
+    ap.add_argument("--file", default=None, help="where to write the experts (default: a temp dir)")
+    ap.add_argument("--csv", default=str(ROOT / "results" / "offload.csv"))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="compute threads (torch.set_num_threads); the loader thread takes a core "
+                         "of its own, so on 2 cores the default leaves it one")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.decode_reps, args.batch_steps = 4, 2, 1
+    torch.manual_seed(0)
+    threads_default = torch.get_num_threads()
+    L, E, k, D, F = args.layers, args.experts, args.top_k, args.dim, args.hidden
+    for line in environment_header():
+        print(line)
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=k, router_bias=True)
+    model = Model(L, cfg)
+    # random routers see unit-scale tokens; expert outputs are kept small next to the residual
+    expert_bytes = 3 * D * F * 4
+    print(f"model: {L} layers x {E} experts, top-{k}, D={D}, F={F}: {expert_bytes / 2**20:.2f} MiB "
+          f"per expert, {L * E * expert_bytes / 2**30:.2f} GiB of experts")
+    tmp = tempfile.TemporaryDirectory(dir=os.path.dirname(args.file) if args.file else None)
+    path = args.file or os.path.join(tmp.name, "experts.safetensors")
+    start = time.perf_counter()
+    save_experts(model, path)
+    log(f"wrote {os.path.getsize(path) / 2**30:.2f} GiB to {path} in {time.perf_counter() - start:.1f} s")
+    fadv = verify_fadvise(path, min(os.path.getsize(path), 512 << 20))
+    print(f"posix_fadvise(DONTNEED) check, {min(os.path.getsize(path), 512 << 20) >> 20} MiB read: "
+          f"cold {fadv['cold_GBps']:.2f} GB/s, warm {fadv['warm_GBps']:.2f} GB/s, cold again "
+          f"{fadv['cold_again_GBps']:.2f} GB/s")
+
+    decode_in = decode_steps(D, args.decode_reps, seed=1)
+    decode_tokens = sum(x.size(0) for x in decode_in)
+    gb = torch.Generator().manual_seed(2)
+    batch_in = [torch.randn(args.batch_tokens, D, generator=gb) for _ in range(args.batch_steps)]
+
+    # -- resident ------------------------------------------------------------------------------
+    rows, reference, reference_last = [], {}, {}
+    for p in model.parameters():
+        if p.dim() == 3:
+            p.requires_grad_(False)  # the experts are frozen in both models
+    # the resident model with every core computing, for reference (no loader to share them)
+    set_routing(model, "uniform")
+    run_steps(model, decode_in[:2])
+    t_all, _ = run_steps(model, decode_in)
+    rows.append({"workload": "decode", "routing": "uniform", "cache": f"resident, {threads_default} thr",
+                 "cache_frac": 1.0, "tokens_per_s": round(decode_tokens / t_all, 1)})
+    torch.set_num_threads(args.threads)
+    print(f"compute threads: {args.threads} (resident decode with {threads_default}: "
+          f"{decode_tokens / t_all:.1f} tokens/s)")
+    for routing in ("uniform", "zipf"):
+        set_routing(model, routing)
+        run_steps(model, decode_in[:2])  # warm-up
+        t, outs = run_steps(model, decode_in)
+        t_last, _ = run_steps(model, decode_in[-8:])
+        reference[("decode", routing)] = (t, outs)
+        reference_last[routing] = t_last
+        log(f"resident decode {routing}: {decode_tokens / t:.1f} tokens/s")
+    set_routing(model, "uniform")
+    for bwd in (False, True):
+        run_steps(model, batch_in[:1], backward=bwd)
+        t, outs = run_steps(model, batch_in, backward=bwd)
+        reference[("batch_bwd" if bwd else "batch", "uniform")] = (t, outs)
+        log(f"resident batch{' fwd+bwd' if bwd else ''}: {len(batch_in) * args.batch_tokens / t:.1f} tokens/s")
+    rss_resident = proc_status()
+    for (work, routing), (t, _) in reference.items():
+        ntok = decode_tokens if work == "decode" else len(batch_in) * args.batch_tokens
+        rows.append({"workload": work, "routing": routing, "cache": "resident", "cache_frac": 1.0,
+                     "policy": "-", "prefetch": "-", "tier": "ram", "tokens_per_s": round(ntok / t, 1),
+                     "vs_resident": 1.0, "RSS_MiB": round(rss_resident["VmRSS"] / 2**20),
+                     **({"tok_s_warm": round(36 / reference_last[routing], 1), "x_warm": 1.0}
+                        if work == "decode" else {})})
+
+    # experts out of the process: every layer gets a meta GroupedExperts for offload_experts
+    def strip():
+        for moe in model.layers:
+            moe.experts = GroupedExperts(moe.config, device="meta")
+        gc.collect()
+
+    strip()
+    base = proc_status()
+    print(f"RSS: {rss_resident['VmRSS'] / 2**20:.0f} MiB with resident experts, "
+          f"{base['VmRSS'] / 2**20:.0f} MiB without them")
+
+    configs = []
+    for frac in (8, 4, 2):
+        C = E // frac
+        for policy in ("lru", "lfu"):
+            for prefetch in (None, "router"):
+                for routing in ("uniform", "zipf"):
+                    configs.append(("decode", routing, C, policy, prefetch, False))
+        for prefetch in (None, "router"):
+            configs.append(("batch", "uniform", C, "lru", prefetch, False))
+    for prefetch in (None, "router"):
+        for routing in ("uniform", "zipf"):
+            configs.append(("decode", routing, E // 4, "lru", prefetch, True))
+        configs.append(("batch_bwd", "uniform", E // 4, "lru", prefetch, False))
+
+    for i, (work, routing, C, policy, prefetch, disk) in enumerate(configs):
+        strip()
+        set_routing(model, routing)
+        store = offload_experts(model, path, cache_experts=C, policy=policy, prefetch=prefetch,
+                                drop_page_cache=disk)
+        store.drop_page_cache()  # cold: nothing of the file in memory
+        inputs = decode_in if work == "decode" else batch_in
+        ntok = sum(x.size(0) for x in inputs)
+        if work == "decode":
+            # the last repetition apart: its numbers are those of a page cache warmed by the run
+            t1, outs = run_steps(model, inputs[:-8])
+            s1 = store.stats()
+            t2, outs = run_steps(model, inputs[-8:], outs=outs)
+            t = t1 + t2
+            s = store.stats()
+            warm = {"tok_s_warm": round(36 / t2, 1),
+                    "x_warm": round(reference_last[routing] / t2, 3),
+                    "stall_warm_s": round(s.stall_s - s1.stall_s, 3),
+                    "hit_warm": round((s.hits - s1.hits) / (s.requests - s1.requests), 3)}
+        else:
+            t, outs = run_steps(model, inputs, backward=work == "batch_bwd")
+            s = store.stats()
+            warm = {}
+        ref_t, ref_outs = reference[(work, routing)]
+        exact = all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+        status = proc_status()
+        map_rss = mapping_rss(store.tier.file.mapping_address())
+        budget = store.slot_bytes()
+        row = {
+            "workload": work, "routing": routing, "cache": C, "cache_frac": round(C / E, 3),
+            "policy": policy, "prefetch": prefetch or "off", "tier": "disk" if disk else "file",
+            "tokens_per_s": round(ntok / t, 1), "vs_resident": round(ref_t / t, 3),
+            "hit_rate": round(s.hit_rate, 3), "stall_s": round(s.stall_s, 3),
+            "stall_frac": round(s.stall_s / t, 3),
+            "prefetch_hits": s.prefetch_hits, "prefetches": s.prefetches,
+            "MiB_per_token": round(s.bytes_moved / ntok / 2**20, 2),
+            "max_reads_per_step": s.max_reads_per_step, "exact": exact,
+            "budget_MiB": round(budget / 2**20), "RSS_MiB": round(status["VmRSS"] / 2**20),
+            "RSS_over_base_MiB": round((status["VmRSS"] - base["VmRSS"]) / 2**20),
+            "map_RSS_MiB": round(map_rss / 2**20, 1), "time_s": round(t, 2), **warm,
+        }
+        rows.append(row)
+        log(f"[{i + 1}/{len(configs)}] {work} {routing} C={C} {policy} prefetch={prefetch} "
+            f"{'disk' if disk else 'file'}: {row['tokens_per_s']} tok/s ({row['vs_resident']}x), "
+            f"hit {row['hit_rate']}, stall {row['stall_s']} s, exact {exact}"
+            + (f"; last rep {warm['tok_s_warm']} tok/s ({warm['x_warm']}x), stall "
+               f"{warm['stall_warm_s']} s" if warm else ""))
+        store.close()
+        del store, outs
+    strip()
+
+    cols = ["workload", "routing", "cache", "cache_frac", "policy", "prefetch", "tier",
+            "tokens_per_s", "vs_resident", "hit_rate", "stall_s", "stall_frac", "tok_s_warm",
+            "x_warm", "hit_warm", "stall_warm_s", "prefetch_hits",
+            "prefetches", "MiB_per_token", "max_reads_per_step", "exact", "budget_MiB",
+            "RSS_over_base_MiB", "map_RSS_MiB"]
+    print(format_table(rows, cols))
+    write_csv(args.csv, rows)
+    print(f"wrote {args.csv}")
+    plot(rows, ROOT / "figures" / "offload_throughput.png")
+    tmp.cleanup()
+
+
+def plot(rows, out: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[plots]): no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for work, routing in (("decode", "uniform"), ("decode", "zipf"), ("batch", "uniform")):
+        for policy, prefetch in (("lru", "off"), ("lru", "router"), ("lfu", "router")):
+            pts = sorted((r["cache_frac"], r["vs_resident"]) for r in rows
+                         if r["workload"] == work and r["routing"] == routing
+                         and r.get("policy") == policy and r.get("prefetch") == prefetch
+                         and r.get("tier") == "file")
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3,
+                        label=f"{work} {routing} {policy} prefetch {prefetch}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cache size / experts per layer")
+    ax.set_ylabel("throughput / all-resident")
+    ax.legend(fontsize=6)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=150, bbox_inches="tight")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
