@@ -27,6 +27,7 @@ budget (slot bytes), and whether the outputs equal the resident model's (torch.e
 
     python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~6 min
     python benchmarks/offload.py --quick    # L=4, a smaller file: under a minute
+    python benchmarks/offload.py --plot-only benchmarks/results/offload.csv
 """
 
 from __future__ import annotations
@@ -165,7 +166,13 @@ def main() -> None:
                     help="compute threads (torch.set_num_threads); the loader thread takes a core "
                          "of its own, so on 2 cores the default leaves it one")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plot-only", metavar="CSV", help="only draw the plot of an earlier run's CSV")
     args = ap.parse_args()
+    if args.plot_only:
+        import csv
+        with open(args.plot_only) as f:
+            plot(list(csv.DictReader(f)), ROOT / "figures" / "offload_throughput.png")
+        return
     if args.quick:
         args.layers, args.decode_reps, args.batch_steps = 4, 2, 1
     torch.manual_seed(0)
@@ -319,32 +326,84 @@ def main() -> None:
     tmp.cleanup()
 
 
+def _series(rows):
+    """(label, [(cache fraction, throughput / resident)]) per line of the plot."""
+    out = []
+    for work, routing in (("decode", "uniform"), ("decode", "zipf"), ("batch", "uniform")):
+        for policy, prefetch in (("lru", "off"), ("lru", "router"), ("lfu", "router")):
+            pts = sorted((float(r["cache_frac"]), float(r["vs_resident"])) for r in rows
+                         if r["workload"] == work and r["routing"] == routing
+                         and r.get("policy") == policy and r.get("prefetch") == prefetch
+                         and r.get("tier") == "file")
+            if pts:
+                out.append((f"{work} {routing} {policy} prefetch {prefetch}", pts))
+    return out
+
+
 def plot(rows, out: Path) -> None:
+    """Throughput against cache size: a PNG with matplotlib, else an SVG written by hand."""
+    series = _series(rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install -e .[plots]): no plot")
+        svg = out.with_suffix(".svg")
+        svg.write_text(_svg(series))
+        print(f"matplotlib is not installed (pip install -e .[plots]): wrote {svg} instead")
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for work, routing in (("decode", "uniform"), ("decode", "zipf"), ("batch", "uniform")):
-        for policy, prefetch in (("lru", "off"), ("lru", "router"), ("lfu", "router")):
-            pts = sorted((r["cache_frac"], r["vs_resident"]) for r in rows
-                         if r["workload"] == work and r["routing"] == routing
-                         and r.get("policy") == policy and r.get("prefetch") == prefetch
-                         and r.get("tier") == "file")
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3,
-                        label=f"{work} {routing} {policy} prefetch {prefetch}")
+    for label, pts in series:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("cache size / experts per layer")
-    ax.set_ylabel("throughput / all-resident")
+    ax.set_ylabel("throughput / all-resident (cold file)")
     ax.legend(fontsize=6)
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=150, bbox_inches="tight")
     print(f"wrote {out}")
+
+
+def _svg(series) -> str:
+    W, H, left, right, top, bottom = 640, 420, 60, 230, 20, 50
+    xs = sorted({p[0] for _, pts in series for p in pts}) or [1.0]
+    ymax = max([1.0] + [p[1] for _, pts in series for p in pts]) * 1.05
+    lo, hi = math.log2(xs[0]), math.log2(xs[-1]) if xs[-1] > xs[0] else math.log2(xs[0]) + 1
+    def px(x):
+        return left + (math.log2(x) - lo) / (hi - lo) * (W - left - right)
+    def py(y):
+        return H - bottom - y / ymax * (H - top - bottom)
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+             'font-family="sans-serif" font-size="11">',
+             f'<rect width="{W}" height="{H}" fill="white"/>',
+             f'<line x1="{left}" y1="{py(0)}" x2="{W - right}" y2="{py(0)}" stroke="black"/>',
+             f'<line x1="{left}" y1="{py(0)}" x2="{left}" y2="{top}" stroke="black"/>',
+             f'<line x1="{left}" y1="{py(1)}" x2="{W - right}" y2="{py(1)}" stroke="gray" '
+             'stroke-dasharray="4"/>']
+    for x in xs:
+        parts.append(f'<text x="{px(x)}" y="{H - bottom + 15}" text-anchor="middle">{x:g}</text>')
+    for i in range(6):
+        y = ymax * i / 5
+        parts.append(f'<text x="{left - 5}" y="{py(y) + 4}" text-anchor="end">{y:.2f}</text>')
+    parts.append(f'<text x="{(left + W - right) / 2}" y="{H - 12}" text-anchor="middle">'
+                 'cache size / experts per layer</text>')
+    parts.append(f'<text x="14" y="{(top + H - bottom) / 2}" text-anchor="middle" '
+                 f'transform="rotate(-90 14 {(top + H - bottom) / 2})">throughput / all-resident '
+                 '(cold file)</text>')
+    for i, (label, pts) in enumerate(series):
+        c = colors[i % len(colors)]
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="1.5"/>')
+        parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{c}"/>' for x, y in pts]
+        ly = top + 14 * i + 10
+        parts.append(f'<line x1="{W - right + 10}" y1="{ly}" x2="{W - right + 30}" y2="{ly}" '
+                     f'stroke="{c}" stroke-width="1.5"/>')
+        parts.append(f'<text x="{W - right + 35}" y="{ly + 4}">{label}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
 
 
 if __name__ == "__main__":
