@@ -144,6 +144,12 @@ def offload_experts(model: nn.Module, path, *, cache_experts: int, policy: str =
             into host memory once, pinned for a CUDA cache: the GPU default).
         drop_page_cache: file tier only: drop each expert's pages from the page cache after
             reading it, so that every miss reads the disk (a file larger than RAM).
+
+    The model's ``state_dict`` then holds no routed experts (the file is their state; save the
+    rest as usual), and the slots stay on ``device`` whatever ``model.to()`` does (offload
+    after moving the model). Call ``store.close()`` when done (it stops the loader thread).
+    Exactness rests on the fused op computing each expert's GEMMs from its own rows only (one
+    GEMM per expert group): see :mod:`torch_moe.nn.expert_store.experts`.
     """
     fn = "offload_experts"
     layers = _moe_layers(model, fn)
