@@ -40,6 +40,7 @@ SHORT_FORMS = {
     "python benchmarks/ops.py": "python benchmarks/ops.py --quick",
     "python benchmarks/hf_models.py": "python benchmarks/hf_models.py --quick --csv \"$(mktemp -d)/hf_models.csv\"",
     "python benchmarks/moe_layer.py": "python benchmarks/moe_layer.py --quick",
+    "python benchmarks/offload.py": "python benchmarks/offload.py --quick",
     "python tools/import_graph.py": "python tools/import_graph.py",
     "python benchmarks/gpu.py": "python benchmarks/gpu.py --quick",
     "torchrun --nproc-per-node 2 benchmarks/demo.py --expert-parallel --steps 40 --replicas 1 "

@@ -161,7 +161,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=256)
     ap.add_argument("--batch-steps", type=int, default=2)
     ap.add_argument("--file", default=None, help="where to write the experts (default: a temp dir)")
-    ap.add_argument("--csv", default=str(ROOT / "results" / "offload.csv"))
+    ap.add_argument("--csv", default=None,
+                    help="output CSV (default results/offload.csv; results/offload_quick.csv with "
+                         "--quick, so that a quick run leaves the kept results and plot alone)")
     ap.add_argument("--threads", type=int, default=1,
                     help="compute threads (torch.set_num_threads); the loader thread takes a core "
                          "of its own, so on 2 cores the default leaves it one")
@@ -175,6 +177,9 @@ def main() -> None:
         return
     if args.quick:
         args.layers, args.decode_reps, args.batch_steps = 4, 2, 1
+    suffix = "_quick" if args.quick else ""
+    if args.csv is None:
+        args.csv = str(ROOT / "results" / f"offload{suffix}.csv")
     torch.manual_seed(0)
     threads_default = torch.get_num_threads()
     L, E, k, D, F = args.layers, args.experts, args.top_k, args.dim, args.hidden
@@ -322,7 +327,7 @@ def main() -> None:
     print(format_table(rows, cols))
     write_csv(args.csv, rows)
     print(f"wrote {args.csv}")
-    plot(rows, ROOT / "figures" / "offload_throughput.png")
+    plot(rows, ROOT / "figures" / f"offload_throughput{suffix}.png")
     tmp.cleanup()
 
 
