@@ -4,12 +4,14 @@ prefetcher, and the offloaded MoE layer against the all-resident one, bit for bi
 outputs and the gradients of everything trainable) for every cache size, policy and prefetch
 mode; and the errors of every entry point.
 
-The exactness tests hold as long as the fused CPU op computes each expert's GEMMs from that
-expert's rows alone (one GEMM per expert group, the op's per-group form): a pass computes an
-expert among other neighbours than the resident call does. A kernel form that batches
-neighbouring experts into one padded bmm makes them fail by fp32 rounding, as it should: the
-guarantee would no longer hold."""
+Bit-identity is to the resident layer computing in the fused CPU op's per-group form (one GEMM
+per expert, each expert's rows computed from its rows alone), the form the store's passes always
+use: a pass computes an expert among other neighbours than the resident call does. The resident
+side of the exactness tests therefore runs under ``torch_moe.cpu.expert_form("per_group")``; against
+the default ``"auto"`` form, which batches runs of small experts into one padded ``bmm``, the two
+agree to fp32 rounding (``test_auto_form_within_rounding``)."""
 
+import contextlib
 import copy
 import os
 import struct
@@ -24,6 +26,7 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
+import torch_moe.cpu
 from torch_moe.nn import MoE, MoEConfig
 from torch_moe.nn.expert_store import (
     ExpertCache,
@@ -216,8 +219,10 @@ class TestOffloadedMoE(_Files):
             for m in (resident, offloaded):
                 m.zero_grad(set_to_none=True)
                 xi = x.clone().requires_grad_(True)
-                y = m(xi)
-                (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+                with (torch_moe.cpu.expert_form("per_group") if m is resident
+                      else contextlib.nullcontext()):
+                    y = m(xi)
+                    (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
                 outs.append(y.detach())
                 grads.append({"x": xi.grad, **_trainable_grads(m)})
             self.assertTrue(torch.equal(outs[0], outs[1]),
@@ -305,12 +310,42 @@ class TestOffloadedMoE(_Files):
             store = offload_experts(offloaded, path, cache_experts=cache_experts)
             self.addCleanup(store.close)
             x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+            with torch.no_grad(), torch_moe.cpu.expert_form("per_group"):
+                y = model(x)
             with torch.no_grad():
-                y, y_off = model(x), offloaded(x)
+                y_off = offloaded(x)
             if cache_experts == E:
                 self.assertTrue(torch.equal(y, y_off))
             else:
                 torch.testing.assert_close(y_off, y, rtol=4 * 2**-23, atol=1e-7)
+
+    @parametrize("form", ["auto", "batched"])
+    def test_exact_whatever_the_process_form(self, form):
+        # The store fixes the per-group form for its own kernel calls, over a process-wide
+        # choice of another form.
+        torch_moe.cpu.set_expert_form(form)
+        self.addCleanup(torch_moe.cpu.set_expert_form, "auto")
+        torch.manual_seed(0)
+        self._compare(_Model(top_k=3), 3, tokens=24)
+
+    def test_auto_form_within_rounding(self):
+        # The resident layer in the default form batches runs of small similar experts, whose
+        # bmm may sum in another order than the store's per-group GEMMs: fp32 rounding, no more.
+        torch.manual_seed(0)
+        # (K = 1024: at this depth bmm and mm sum in different orders on x86 MKL)
+        model = _Model(layers=1, dim=1024, hidden_dim=32, top_k=2)
+        path = self.path()
+        save_experts(model, path)
+        offloaded = copy.deepcopy(model)
+        store = offload_experts(offloaded, path, cache_experts=3)
+        self.addCleanup(store.close)
+        x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            y_auto, y_off = model(x), offloaded(x)
+            with torch_moe.cpu.expert_form("per_group"):
+                y_per_group = model(x)
+        self.assertTrue(torch.equal(y_off, y_per_group))
+        torch.testing.assert_close(y_off, y_auto, rtol=1.3e-6, atol=1e-5)
 
     def test_exact_host_tier(self):
         torch.manual_seed(0)

@@ -23,6 +23,7 @@ from torch_moe._functional_ops import (
 )
 from torch_moe import quantization  # noqa: F401
 from torch_moe import nn  # noqa: F401
+from torch_moe import cpu  # noqa: F401
 
 # Inductor lowerings and decompositions: registered before the first compile, without
 # importing Inductor here (torch_moe._inductor).
@@ -51,5 +52,6 @@ from torch_moe.nn._torchtitan import install_torchtitan_converter  # noqa: E402
 
 install_torchtitan_converter()
 
-__all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn", "quantization"]
+__all__ = ["token_sort", "permute", "unpermute", "grouped_mm", "indexed_grouped_mm", "nn", "quantization",
+           "cpu"]
 __version__ = "0.1.0"

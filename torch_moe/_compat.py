@@ -32,6 +32,7 @@ __all__ = [
     "functional_tensor_mode",
     "triton_op_decomposition_disabled",
     "mkldnn_native_gemm_dtypes",
+    "storage_use_count",
 ]
 
 
@@ -150,3 +151,9 @@ def mkldnn_native_gemm_dtypes() -> frozenset:
         if fn is not None and fn():
             native.add(dtype)
     return frozenset(native)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many owners (tensors, storage objects) the storage has, ``storage`` itself included:
+    1 means that nothing but ``storage`` refers to its memory. Weak references do not count."""
+    return torch._C._storage_Use_Count(storage._cdata)

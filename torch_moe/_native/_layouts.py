@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["empty_weight_grad", "is_dense_permutation"]
+__all__ = ["empty_weight_grad", "is_dense_permutation", "weight_grad_strides"]
 
 
 def is_dense_permutation(t: torch.Tensor) -> bool:
@@ -38,12 +38,21 @@ def is_dense_permutation(t: torch.Tensor) -> bool:
     return True
 
 
-def empty_weight_grad(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """An uninitialised gradient for ``weight`` (in ``dtype``, default the weight's): with the
-    weight's strides where it is dense and non-overlapping (:func:`is_dense_permutation`),
-    contiguous otherwise."""
-    dtype = weight.dtype if dtype is None else dtype
+def weight_grad_strides(weight: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a gradient for ``weight``: the weight's own where it is dense and
+    non-overlapping (:func:`is_dense_permutation`), contiguous otherwise."""
     if is_dense_permutation(weight):
-        return torch.empty_strided(weight.size(), weight.stride(), dtype=dtype,
-                                   device=weight.device)
-    return torch.empty(weight.size(), dtype=dtype, device=weight.device)
+        return weight.stride()
+    strides, step = [], 1
+    for n in reversed(weight.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def empty_weight_grad(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An uninitialised gradient for ``weight`` (in ``dtype``, default the weight's), in the
+    strides of :func:`weight_grad_strides`."""
+    dtype = weight.dtype if dtype is None else dtype
+    return torch.empty_strided(weight.size(), weight_grad_strides(weight), dtype=dtype,
+                               device=weight.device)

@@ -14,11 +14,15 @@ function of input sizes); the CPU kernels read values only to validate them (exp
 offs monotonic), which a CUDA kernel would do with device-side asserts instead.
 """
 
+import math
+
 import torch
 
 from torch_moe import _checks
 from torch_moe._native._cpu_features import accumulate_dtype, gemm_compute_dtype
-from torch_moe._native._layouts import empty_weight_grad
+from torch_moe._native import grad_storage
+from torch_moe._native._expert_blocks import plan_blocks
+from torch_moe._native._layouts import weight_grad_strides
 from torch_moe._native.activation import activation_backward, activation_forward
 from torch_moe._native.padded_groups import padded_group_layout
 
@@ -161,11 +165,14 @@ def _empty_output(like: torch.Tensor) -> torch.Tensor:
 
 
 def _zero_rows_(t: torch.Tensor, pad) -> torch.Tensor:
-    """t[i] = 0 where ``pad[i]``, in place. Padded slots are set to zero rather than scaled by
-    zero: a scaled row keeps the NaN or Inf of whatever real row or weight it was computed from."""
-    if pad is not None:
-        t.masked_fill_(pad.unsqueeze(1), 0)
-    return t
+    """t[i] = 0 where ``pad[i]`` (a bool mask) or for i in ``pad`` (int64 row indices), in
+    place. Padded slots are set to zero rather than scaled by zero: a scaled row keeps the NaN or
+    Inf of whatever real row or weight it was computed from."""
+    if pad is None:
+        return t
+    if pad.dtype == torch.bool:
+        return t.masked_fill_(pad.unsqueeze(1), 0)
+    return t.index_fill_(0, pad, 0) if pad.numel() else t
 
 
 def _either(a, b):
@@ -202,12 +209,13 @@ def _mm_bias(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias) -> torch
 
 def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
     """A gradient for the [E, ...] weight ``w``, in its strides where it is dense
-    (:func:`torch_moe._native._layouts.empty_weight_grad`); only experts without rows are zeroed.
+    (:func:`torch_moe._native._layouts.weight_grad_strides`); only experts without rows are zeroed.
 
     Each expert with rows is fully written by its GEMM, so zero-filling it first would only add a
-    pass over memory that, for large weights, is freshly mapped and page-faults.
+    pass over memory. The storage is reused from the step before where nothing holds it any more
+    (:mod:`torch_moe._native.grad_storage`), instead of freshly mapped pages that fault.
     """
-    grad = empty_weight_grad(w)
+    grad = grad_storage.empty_strided(w.size(), weight_grad_strides(w), w.dtype, w.device)
     if len(bounds) < w.size(0):
         used = {g for g, _, _ in bounds}
         unused = [g for g in range(w.size(0)) if g not in used]
@@ -562,49 +570,31 @@ def indexed_grouped_mm_backward(
 # ---------------------------------------------------------------------------------------------
 
 
-class _ExpertWeights:
-    """Per-expert views of w1 / w3 / w2 in the GEMM compute dtype.
+class _ExpertWeight:
+    """One ``[E, K, N]`` expert weight in the GEMM compute dtype, by expert (``one``) or by run
+    of experts (``run``), optionally transposed to ``[E, N, K]``.
 
-    Gated with separate w1, w3 the gate and up GEMMs write the two halves of one ``[n, 2F]``
-    buffer; with a fused ``w13 [E, D, 2F]`` it is a single GEMM. When the compute dtype differs
-    from the weights' (bf16 weights on a CPU without bf16 GEMM), each expert's weights are
-    converted into reused buffers rather than into a fresh copy of the whole weight.
+    When the compute dtype differs from the weight's (bf16 weights on a CPU without bf16 GEMM),
+    the experts are converted into a reused buffer rather than into a fresh copy of the whole
+    weight; a transposed weight is converted in its own orientation, then viewed transposed.
     """
 
-    def __init__(self, w1, w2, w3, cdt, bufs):
-        self.w1, self.w2, self.w3, self.cdt, self.bufs = w1, w2, w3, cdt, bufs
+    def __init__(self, w, cdt, bufs, name, transpose=False):
+        self.w, self.cdt, self.bufs, self.name, self.transpose = w, cdt, bufs, name, transpose
 
-    def _get(self, name, w):
+    def _convert(self, w):
         if w.dtype == self.cdt:
             return w
-        return self.bufs.get(name, w.size(0), w.size(1), self.cdt).copy_(w)
+        flat = self.bufs.get(self.name, 1, w.numel(), self.cdt)
+        return flat.view(w.shape).copy_(w)
 
-    def up(self, g):
-        w3 = self._get("w3", self.w3[g]) if self.w3 is not None else None
-        return self._get("w1", self.w1[g]), w3
+    def one(self, g):
+        w = self._convert(self.w[g])
+        return w.t() if self.transpose else w
 
-    def down(self, g):
-        return self._get("w2", self.w2[g])
-
-
-# A block is a run of consecutive non-empty groups holding at least this many sorted slots.
-# Elementwise work (gather, activation, routing weights, combine) runs once per block on its
-# rows, GEMMs once per group; so many small experts cost few kernel launches, while the block
-# buffers stay a few MiB (in cache, and far from glibc's page-faulting mmap threshold).
-_BLOCK_ROWS = 512
-
-
-def _blocks(bounds):
-    """Splits [(g, start, end)] into [(block_start, block_end, groups)]."""
-    blocks, groups = [], []
-    for g, s, e in bounds:
-        groups.append((g, s, e))
-        if e - groups[0][1] >= _BLOCK_ROWS:
-            blocks.append((groups[0][1], e, groups))
-            groups = []
-    if groups:
-        blocks.append((groups[0][1], groups[-1][2], groups))
-    return blocks
+    def run(self, g0, B):
+        w = self._convert(self.w[g0 : g0 + B])
+        return w.transpose(1, 2) if self.transpose else w
 
 
 def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
@@ -616,7 +606,23 @@ def _ffn_setup(op, x, sorted_ids, offs, topk_weights):
     # the routing weights stay in the accumulation dtype (not rounded to a bf16 / fp16 GEMM
     # dtype): each product with a weight is then rounded at most once
     weight = _slot_weights(topk_weights, sorted_ids, pad, accumulate_dtype(x.dtype))
-    return bounds, last, rows, pad, weight, cdt
+    return plan_blocks(bounds, x.device), last, rows, pad, weight, cdt
+
+
+def _up_projection(blk, X, w1, w3, b1, b3, h, F, bufs, cdt):
+    """h = [X @ w1 (+ b1), X @ w3 (+ b3)] (gated, separate w3) or X @ w1 (+ b1), on the rows of
+    one block."""
+    if w3 is None:
+        blk.mm(X, w1, h, b1)
+    elif not blk.batched:
+        # per-group GEMMs write the two halves of h in place
+        blk.mm(X, w1, h[:, :F], b1)
+        blk.mm(X, w3, h[:, F:], b3)
+    else:
+        # bmm into a strided half of h would take a slow path: contiguous halves, then copies
+        n = blk.num_rows
+        h[:, :F].copy_(blk.mm(X, w1, bufs.get("h_gate", n, F, cdt), b1))
+        h[:, F:].copy_(blk.mm(X, w3, bufs.get("h_up", n, F, cdt), b3))
 
 
 def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
@@ -624,7 +630,7 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     op = "torch_moe.grouped_ffn"
     _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
                                      b1=b1, b2=b2, b3=b3)
-    bounds, last, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
+    blocks, last, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
     # [E, F | 2F | D] each, tiny next to the weights: converted whole, once
     b1_c, b2_c, b3_c = (_gemm_operand(b, cdt) if b is not None else None for b in (b1, b2, b3))
     gated = activation in _checks.GATED_ACTIVATIONS
@@ -632,35 +638,32 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     H = 2 * F if gated else F
     S = sorted_ids.size(0)
     bufs = _Buffers(x.device)
-    experts = _ExpertWeights(w1, w2, w3, cdt, bufs)
+    W1 = _ExpertWeight(w1, cdt, bufs, "w1")
+    W3 = _ExpertWeight(w3, cdt, bufs, "w3") if w3 is not None else None
+    W2 = _ExpertWeight(w2, cdt, bufs, "w2")
     x_c = _gemm_operand(x, cdt)
     hidden = x.new_empty((S, H))
     hidden[last:].zero_()
     out_acc = torch.zeros((x.size(0), D), dtype=accumulate_dtype(x.dtype), device=x.device)
-    for bs, be, groups in _blocks(bounds):
-        n = be - bs
+    for blk in blocks:
+        bs, be, n = blk.start, blk.end, blk.num_rows
         r = rows[bs:be]
         pad_b = pad[bs:be] if pad is not None else None
-        X = _gather_rows(x_c, r, pad_b, bufs.get("x", n, D, cdt))
-        h = hidden[bs:be] if hidden.dtype == cdt else bufs.get("h", n, H, cdt)
-        for g, s, e in groups:
-            w_up, w_up3 = experts.up(g)
-            if w_up3 is None:
-                _mm_bias(h[s - bs : e - bs], X[s - bs : e - bs], w_up, _row(b1_c, g))
-            else:
-                _mm_bias(h[s - bs : e - bs, :F], X[s - bs : e - bs], w_up, _row(b1_c, g))
-                _mm_bias(h[s - bs : e - bs, F:], X[s - bs : e - bs], w_up3, _row(b3_c, g))
-        # padded slots store zeros, whatever the weights of their group hold
-        _zero_rows_(h, pad_b)
-        if h.dtype != hidden.dtype:
+        pad_r = blk.pad_rows(pad_b)
+        X = _gather_rows(x_c, blk.to_rows(r), pad_r, bufs.get("x", n, D, cdt))
+        direct = not blk.batched and hidden.dtype == cdt
+        h = hidden[bs:be] if direct else bufs.get("h", n, H, cdt)
+        _up_projection(blk, X, W1, W3, b1_c, b3_c, h, F, bufs, cdt)
+        # padded slots (and padding rows) store zeros, whatever the weights of their group hold
+        _zero_rows_(h, pad_r)
+        if not direct:
             # store, then continue from the stored (rounded) values so that the backward
             # recomputation sees exactly what the forward used
-            hidden[bs:be].copy_(h)
-            h.copy_(hidden[bs:be])
+            hidden[bs:be].copy_(blk.to_slots(h))
+            if h.dtype != hidden.dtype:
+                blk.to_rows_into(hidden[bs:be], h)
         act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
-        o = bufs.get("o", n, D, cdt)
-        for g, s, e in groups:
-            _mm_bias(o[s - bs : e - bs], act[s - bs : e - bs], experts.down(g), _row(b2_c, g))
+        o = blk.to_slots(blk.mm(act, W2, bufs.get("o", n, D, cdt), b2_c))
         # the routing weight scales the down bias too (gpt-oss); it is applied in the
         # accumulation dtype, so that a low-precision row is rounded once, by the combine
         o = o if o.dtype == out_acc.dtype else o.to(out_acc.dtype)
@@ -686,12 +689,13 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
     want_dH = want_x or want_w1 or want_w3 or want_b1 or want_b3
     want_dA = want_topk or want_dH
     want_act = want_topk or want_w2
-    bounds, _, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
+    blocks, _, rows, pad, weight, cdt = _ffn_setup(op, x, sorted_ids, offs, topk_weights)
+    bounds = [grp for blk in blocks for grp in blk.groups]
     T, D = x.shape
     H = hidden.size(1)
     acc = accumulate_dtype(x.dtype)
     bufs = _Buffers(x.device)
-    experts = _ExpertWeights(w1, w2, w3, cdt, bufs)
+    W2t = _ExpertWeight(w2, cdt, bufs, "w2", transpose=True)
     x_c = _gemm_operand(x, cdt) if (want_w1 or want_w3) else None
     grad_c = _gemm_operand(grad, cdt)
     grad_x = torch.zeros((T, D), dtype=acc, device=x.device) if want_x else None
@@ -708,38 +712,41 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
         for want, b in ((want_b1, b1), (want_b2, b2), (want_b3, b3))
     )
     b2_acc = _gemm_operand(b2, acc) if (want_topk and b2 is not None) else None
-    for bs, be, groups in _blocks(bounds) if (want_dA or want_w2 or want_b2) else ():
-        n = be - bs
+    up = _UpBackward(w1, w3, F, cdt, bufs, x_c, grad_w1, grad_w3, grad_x)
+    for blk in blocks if (want_dA or want_w2 or want_b2) else ():
+        bs, be, n = blk.start, blk.end, blk.num_rows
         r = rows[bs:be]
-        w = weight[bs:be].unsqueeze(1)
-        # Padded slots read no row: their rows of G, X and hidden are zeros, and so are those of
-        # dA and dX, which a NaN or Inf in their group's weights would otherwise fill.
+        # Padded slots (and padding rows) read no row: their rows of G, X and hidden are zeros,
+        # and so are those of dA and dX, which a NaN or Inf in their group's weights would
+        # otherwise fill.
         pad_b = pad[bs:be] if pad is not None else None
-        G = _gather_rows(grad_c, r, pad_b, bufs.get("g", n, D, cdt))
+        pad_r = blk.pad_rows(pad_b)
+        w = blk.to_rows(weight[bs:be]).unsqueeze(1)
+        G = _gather_rows(grad_c, blk.to_rows(r), pad_r, bufs.get("g", n, D, cdt))
         # hidden is read as it is; what is computed from its padded rows (act, dH) is zeroed
-        h = _gemm_operand(hidden[bs:be], cdt)
+        if blk.batched:
+            h = blk.to_rows_into(hidden[bs:be], bufs.get("h", n, H, cdt))
+        else:
+            h = _gemm_operand(hidden[bs:be], cdt)
         act = _zero_rows_(activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha,
-                                             limit), pad_b) if want_act else None
+                                             limit), pad_r) if want_act else None
         if want_dA:
             # dA = G @ w2^T (unweighted): <dA_i, act_i> is d out / d topk_weight of slot i
-            dA = bufs.get("da", n, F, cdt)
-            for g, s, e in groups:
-                torch.mm(G[s - bs : e - bs], experts.down(g).t(), out=dA[s - bs : e - bs])
-            _zero_rows_(dA, pad_b)
+            dA = _zero_rows_(blk.mm(G, W2t, bufs.get("da", n, F, cdt)), pad_r)
             if want_topk:
-                grad_weight_sorted[bs:be] = _rowwise_dot(dA, act, acc)
+                grad_weight_sorted[bs:be] = blk.to_slots(_rowwise_dot(dA, act, acc))
         if want_w2:
             # d w2 = (w * act)^T @ G: scale the narrower operand
             act.mul_(w)
-            for g, s, e in groups:
-                _mm_into(grad_w2[g], act[s - bs : e - bs].t(), G[s - bs : e - bs], cdt,
-                         bufs.get("dw2", F, D, cdt))
+            blk.weight_grad(act, G, grad_w2, cdt, lambda shape: bufs.get(
+                "dw2", 1, math.prod(shape), cdt).view(shape))
         if want_b2 or (want_topk and b2 is not None):
             # G in the accumulation dtype for the GEMVs of the down bias (converted where the
-            # GEMMs run in bf16 / fp16)
-            G_acc = G if G.dtype == acc else bufs.get("g_acc", n, D, acc).copy_(G)
-            w_acc = _gemm_operand(w.squeeze(1), acc)
-            for g, s, e in groups:
+            # GEMMs run in bf16 / fp16), on the block's slots in order
+            G_s = blk.to_slots(G)
+            G_acc = G_s if G_s.dtype == acc else bufs.get("g_acc", be - bs, D, acc).copy_(G_s)
+            w_acc = _gemm_operand(weight[bs:be], acc)
+            for g, s, e in blk.groups:
                 rows_g = slice(s - bs, e - bs)
                 if want_topk:
                     # the routing weight scales the down bias too: d out / d w_i gains
@@ -750,18 +757,15 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
                     torch.mv(G_acc[rows_g].t(), w_acc[rows_g], out=grad_b2[g])
         if want_dH:
             dH = _zero_rows_(activation_backward(activation, dA.mul_(w), h,
-                                                 bufs.get("dh", n, H, cdt), alpha, limit), pad_b)
+                                                 bufs.get("dh", n, H, cdt), alpha, limit), pad_r)
             # d b1 (d b3) = the row sums of the gate (up) half of dH per expert; a fused w13's
             # b1 takes all of dH
             split = w3 is not None
-            for g, s, e in groups if (want_b1 or want_b3) else ():
-                dHg = dH[s - bs : e - bs]
-                if want_b1:
-                    torch.sum(dHg[:, :F] if split else dHg, 0, dtype=acc, out=grad_b1[g])
-                if want_b3:
-                    torch.sum(dHg[:, F:], 0, dtype=acc, out=grad_b3[g])
-            _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs,
-                             grad_w1, grad_w3, grad_x)
+            if want_b1:
+                blk.row_sums(dH[:, :F] if split else dH, grad_b1, acc)
+            if want_b3:
+                blk.row_sums(dH[:, F:], grad_b3, acc)
+            up(blk, r, pad_b, pad_r, dH)
     if want_topk:
         if pad is not None:
             grad_weight_sorted.masked_fill_(pad, 0)
@@ -781,36 +785,56 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
     )
 
 
-def _ffn_backward_up(experts, groups, bs, x_c, r, pad_b, dH, F, cdt, bufs, grad_w1, grad_w3,
-                     grad_x):
-    """The gradients through the up projections of one block, each only if requested (not None):
-    grad_w1 (and grad_w3) = X^T @ dH per expert, and grad_x[t] += dH @ w1^T (+ dH_up @ w3^T).
+class _UpBackward:
+    """The gradients through the up projections, block by block, each only if requested (not
+    None): grad_w1 (and grad_w3) = X^T @ dH per expert, and grad_x[t] += dH @ w1^T (+ dH_up @
+    w3^T).
 
-    dH ``[n, H]``: the pre-activation gradient of the block's rows; r, pad_b: their token rows
-    and padding mask; x_c: the tokens in the GEMM dtype (None when no weight gradient is wanted).
+    x_c: the tokens in the GEMM dtype (None when no weight gradient is wanted). With a separate
+    w3, dH = [d gate, d up] splits between w1 and w3; otherwise w1 is [E, D, H], the gate (and,
+    fused, the up) projection.
     """
-    n, H = dH.shape
-    X = _gather_rows(x_c, r, pad_b, bufs.get("x", n, x_c.size(1), cdt)) if x_c is not None else None
-    dX = bufs.get("dx", n, grad_x.size(1), cdt) if grad_x is not None else None
-    # with a separate w3, dH = [d gate, d up] splits between w1 and w3; otherwise w1 is
-    # [E, D, H], the gate (and, fused, the up) projection
-    split = experts.w3 is not None
-    for g, s, e in groups:
-        rows = slice(s - bs, e - bs)
-        dHg = dH[rows]
-        if grad_w1 is not None:
-            D = X.size(1)
-            dH1 = dHg[:, :F] if split else dHg
-            _mm_into(grad_w1[g], X[rows].t(), dH1, cdt, bufs.get("dw1", D, dH1.size(1), cdt))
-        if grad_w3 is not None:
-            _mm_into(grad_w3[g], X[rows].t(), dHg[:, F:], cdt, bufs.get("dw3", X.size(1), F, cdt))
-        if dX is not None:
-            w_up, w_up3 = experts.up(g)
-            if w_up3 is None:
-                torch.mm(dHg, w_up.t(), out=dX[rows])
+
+    def __init__(self, w1, w3, F, cdt, bufs, x_c, grad_w1, grad_w3, grad_x):
+        self.W1t = _ExpertWeight(w1, cdt, bufs, "w1", transpose=True)
+        self.W3t = _ExpertWeight(w3, cdt, bufs, "w3", transpose=True) if w3 is not None else None
+        self.F, self.cdt, self.bufs, self.x_c = F, cdt, bufs, x_c
+        self.grad_w1, self.grad_w3, self.grad_x = grad_w1, grad_w3, grad_x
+
+    def _scratch(self, name):
+        return lambda shape: self.bufs.get(name, 1, math.prod(shape), self.cdt).view(shape)
+
+    def __call__(self, blk, r, pad_b, pad_r, dH):
+        """dH ``[num_rows, H]``: the pre-activation gradient of the block's rows; r, pad_b:
+        the token rows and padding mask of its slots, pad_r: the padding mask of its rows."""
+        n, F, cdt, bufs = blk.num_rows, self.F, self.cdt, self.bufs
+        split = self.W3t is not None
+        dH1 = dH[:, :F] if split else dH
+        dH3 = dH[:, F:] if split else None
+        if blk.batched and split:
+            # the batched GEMMs read contiguous operands (a strided half would be copied per
+            # expert inside bmm)
+            dH1 = bufs.get("dh_gate", n, F, cdt).copy_(dH1)
+            dH3 = bufs.get("dh_up", n, F, cdt).copy_(dH3)
+        if self.grad_w1 is not None or self.grad_w3 is not None:
+            X = _gather_rows(self.x_c, blk.to_rows(r), pad_r,
+                             bufs.get("x", n, self.x_c.size(1), cdt))
+            if self.grad_w1 is not None:
+                blk.weight_grad(X, dH1, self.grad_w1, cdt, self._scratch("dw1"))
+            if self.grad_w3 is not None:
+                blk.weight_grad(X, dH3, self.grad_w3, cdt, self._scratch("dw3"))
+        if self.grad_x is not None:
+            dX = bufs.get("dx", n, self.grad_x.size(1), cdt)
+            if not split:
+                blk.mm(dH1, self.W1t, dX)
+            elif not blk.batched:
+                blk.mm(dH1, self.W1t, dX)
+                for g, s, e in blk.groups:
+                    rows = slice(s - blk.start, e - blk.start)
+                    dX[rows].addmm_(dH3[rows], self.W3t.one(g))
             else:
-                torch.mm(dHg[:, :F], w_up.t(), out=dX[rows])
-                dX[rows].addmm_(dHg[:, F:], w_up3.t())
-    if dX is not None:
-        _zero_rows_(dX, pad_b)
-        _index_add_rows_(grad_x, r, dX)
+                blk.mm(dH1, self.W1t, dX)
+                dX.view(blk.num_batched, blk.L, -1).baddbmm_(
+                    dH3.view(blk.num_batched, blk.L, F), self.W3t.run(blk.g0, blk.num_batched))
+            dX = blk.to_slots(_zero_rows_(dX, pad_r))
+            _index_add_rows_(self.grad_x, r, dX)

@@ -19,6 +19,15 @@ resident kernel (``torch_moe._native.cpu.grouped_ffn``). The backward does the s
 ``grouped_ffn_backward``: per-slot ``dX_i`` and ``<dA_i, act_i>`` from passes, then one
 ordered ``index_add_`` into ``grad_x``.
 
+The passes run the fused kernels in their per-group form (one GEMM per expert,
+``torch_moe.cpu.expert_form("per_group")``), the only form in which an expert's rows are
+computed independently of which other experts share the call: the batched form's ``bmm`` over
+several experts may round an expert's products differently with other neighbours, and a pass
+holds other neighbours than the resident layer's single call. Bit-identity is therefore to the
+resident layer in the per-group form; against the resident layer in the default ``"auto"`` form,
+which batches runs of small similar experts, outputs and gradients agree to fp32 rounding (the
+batched form's summation order, a relative 1e-6 or so).
+
 Pass order: experts already resident first, then the missing ones; with prefetch, a pass uses
 half of the slots so that the next pass's experts load into the other half while it computes.
 
@@ -33,6 +42,7 @@ from typing import Optional
 import torch
 from torch import nn, Tensor
 
+from torch_moe._native._expert_blocks import use_form as expert_form
 from torch_moe.nn import _checks as C
 from torch_moe.nn.expert_store._loader import NEXT_LAYER, NEXT_PASS
 from torch_moe.nn.expert_store.cache import ExpertCache
@@ -236,9 +246,10 @@ class _OffloadedFFN(torch.autograd.Function):
             n = pos.numel()
             self_ids = torch.arange(n, device=x.device)
             ones = torch.ones((n, 1), dtype=topk_weights.dtype, device=x.device)
-            out_p, hidden_p = torch.ops.torch_moe.grouped_ffn(
-                x_p, self_ids, offs_p, ones, slots_t["w1"], slots_t["w2"], slots_t.get("w3"),
-                *act, **biases)
+            with expert_form("per_group"):
+                out_p, hidden_p = torch.ops.torch_moe.grouped_ffn(
+                    x_p, self_ids, offs_p, ones, slots_t["w1"], slots_t["w2"], slots_t.get("w3"),
+                    *act, **biases)
             o_S[pos] = out_p
             hidden_S[pos] = hidden_p
 
@@ -278,10 +289,11 @@ class _OffloadedFFN(torch.autograd.Function):
             n = pos.numel()
             self_ids = torch.arange(n, device=x.device)
             w_p = topk_weights.reshape(-1)[r.ids[pos]].reshape(n, 1)
-            gx_p, gw_p, *_ = torch.ops.torch_moe.grouped_ffn_backward(
-                grad[rows], x[rows], self_ids, offs_p, w_p, slots_t["w1"], slots_t["w2"],
-                slots_t.get("w3"), hidden_S[pos], cfg.activation, cfg.swiglu_alpha,
-                cfg.swiglu_limit, mask, **biases)
+            with expert_form("per_group"):
+                gx_p, gw_p, *_ = torch.ops.torch_moe.grouped_ffn_backward(
+                    grad[rows], x[rows], self_ids, offs_p, w_p, slots_t["w1"], slots_t["w2"],
+                    slots_t.get("w3"), hidden_S[pos], cfg.activation, cfg.swiglu_alpha,
+                    cfg.swiglu_limit, mask, **biases)
             if want_x:
                 gx_S[pos] = gx_p
             if want_w:
