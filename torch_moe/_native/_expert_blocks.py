@@ -13,7 +13,8 @@ forms:
   ``mm`` cannot keep two or more cores busy and pays its call and packing overhead on little
   work, while ``bmm`` runs the experts side by side: on a 2-core AVX512 machine, at 32 rows per
   expert (D = 1024, F = 256) the per-group GEMMs reach 60-80 GFLOP/s and ``bmm`` 85-135, at 128
-  rows 110-150 against 150-230 (``python benchmarks/ops.py --block-forms``).
+  rows 110-150 against 150-230 (``python benchmarks/ops.py --sections ffn --dtypes fp32 --forms
+  per_group,batched`` times the whole op in each form).
 
 The rule between them (:func:`plan_blocks`): a run of experts takes the batched form when each
 of them has at most :data:`BATCH_MAX_ROWS` rows, its padded rows ``B * L`` are at most
@@ -157,7 +158,7 @@ class Block:
 
     def mm(self, a: torch.Tensor, w, out: torch.Tensor, bias=None) -> torch.Tensor:
         """``out[rows of g] = a[rows of g] @ w(g) (+ bias[g])`` for each expert ``g`` of the
-        block. ``a [num_rows, K]``, ``out [num_rows, N]`` contiguous; ``w`` an ``_ExpertWeights``
+        block. ``a [num_rows, K]``, ``out [num_rows, N]`` contiguous; ``w`` an ``_ExpertWeight``
         accessor: ``w.one(g) [K, N]`` and ``w.run(g0, B) [B, K, N]``; ``bias [E, N]`` or None.
         """
         if not self.batched:

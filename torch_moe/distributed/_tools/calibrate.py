@@ -399,13 +399,13 @@ def measure_ffn_elementwise_Bps(dim: int, hidden_dim: int, rows: int = 4096,
     ``hidden_dim`` (SwiGLU), forward and backward, in the bytes
     :func:`~torch_moe.distributed._tools.gemm_cost.ffn_elementwise_bytes` counts for them:
     plain ATen calls (``index_select``, ``sigmoid``, ``mul_``, ``index_add_``, a row-wise
-    dot) on reused buffers, block by block as the CPU kernel walks its rows
-    (``torch_moe/_native/cpu.py``: ``_BLOCK_ROWS``), so every call's fixed cost is paid as
-    often. Between them run the block's GEMMs where an FFN has them (gate and up, down;
+    dot) on reused buffers, block by block as the CPU kernel's per-group form walks its rows
+    (``torch_moe/_native/_expert_blocks.py``: ``BLOCK_ROWS``), so every call's fixed cost is paid
+    as often. Between them run the block's GEMMs where an FFN has them (gate and up, down;
     ``G w2^T``, the weight gradients, ``dX``), on a few experts' weights in turn, so the
     elementwise kernels find the cache as the GEMMs leave it; only the elementwise calls are
     timed. No torch_moe kernel runs."""
-    from torch_moe._native.cpu import _BLOCK_ROWS as block
+    from torch_moe._native._expert_blocks import BLOCK_ROWS as block
     from torch_moe.distributed._tools.gemm_cost import ffn_elementwise_bytes
 
     _check_reps(reps)
