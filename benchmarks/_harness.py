@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import math
 import os
 import statistics
 import time
@@ -24,6 +25,7 @@ __all__ = [
     "environment_header",
     "format_table",
     "interleaved",
+    "line_plot",
     "time_once",
     "write_csv",
 ]
@@ -224,6 +226,86 @@ def write_csv(path: str | os.PathLike, rows: Sequence[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+
+
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22"]
+
+
+def line_plot(out: str | os.PathLike, series: Sequence[tuple[str, Sequence[tuple[float, float]]]],
+              xlabel: str, ylabel: str, hline: float | None = None) -> Path:
+    """Lines of ``(label, [(x, y)])`` over a log2 x axis: a PNG with matplotlib, else (the
+    optional ``plots`` extra not installed) an SVG of the same plot written by hand. ``hline``
+    draws a reference line (a ratio of 1, a ceiling). Returns the file written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        svg = out.with_suffix(".svg")
+        svg.write_text(_svg_line_plot(series, xlabel, ylabel, hline))
+        print(f"matplotlib is not installed (pip install -e .[plots]): wrote {svg} instead")
+        return svg
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in series:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=label)
+    if hline is not None:
+        ax.axhline(hline, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=6)
+    fig.savefig(out, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {out}")
+    return out
+
+
+def _svg_line_plot(series, xlabel: str, ylabel: str, hline: float | None) -> str:
+    W, H, left, right, top, bottom = 640, 420, 60, 230, 20, 50
+    xs = sorted({p[0] for _, pts in series for p in pts}) or [1.0]
+    ymax = max([hline or 0.0] + [p[1] for _, pts in series for p in pts] + [1e-9]) * 1.05
+    lo = math.log2(xs[0])
+    hi = math.log2(xs[-1]) if xs[-1] > xs[0] else lo + 1
+
+    def px(x):
+        return left + (math.log2(x) - lo) / (hi - lo) * (W - left - right)
+
+    def py(y):
+        return H - bottom - y / ymax * (H - top - bottom)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+             'font-family="sans-serif" font-size="11">',
+             f'<rect width="{W}" height="{H}" fill="white"/>',
+             f'<line x1="{left}" y1="{py(0)}" x2="{W - right}" y2="{py(0)}" stroke="black"/>',
+             f'<line x1="{left}" y1="{py(0)}" x2="{left}" y2="{top}" stroke="black"/>']
+    if hline is not None:
+        parts.append(f'<line x1="{left}" y1="{py(hline)}" x2="{W - right}" y2="{py(hline)}" '
+                     'stroke="gray" stroke-dasharray="4"/>')
+    for x in xs:
+        parts.append(f'<text x="{px(x)}" y="{H - bottom + 15}" text-anchor="middle">{x:g}</text>')
+    for i in range(6):
+        y = ymax * i / 5
+        parts.append(f'<text x="{left - 5}" y="{py(y) + 4}" text-anchor="end">{y:.2f}</text>')
+    parts.append(f'<text x="{(left + W - right) / 2}" y="{H - 12}" text-anchor="middle">'
+                 f'{xlabel}</text>')
+    parts.append(f'<text x="14" y="{(top + H - bottom) / 2}" text-anchor="middle" '
+                 f'transform="rotate(-90 14 {(top + H - bottom) / 2})">{ylabel}</text>')
+    for i, (label, pts) in enumerate(series):
+        c = _COLORS[i % len(_COLORS)]
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="1.5"/>')
+        parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{c}"/>' for x, y in pts]
+        ly = top + 14 * i + 10
+        parts.append(f'<line x1="{W - right + 10}" y1="{ly}" x2="{W - right + 30}" y2="{ly}" '
+                     f'stroke="{c}" stroke-width="1.5"/>')
+        parts.append(f'<text x="{W - right + 35}" y="{ly + 4}">{label}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
 
 
 def destroy_process_group() -> None:

@@ -29,6 +29,8 @@ Shapes (T tokens, D model dim, F expert dim, E experts, k experts per token):
     python benchmarks/moe_layer.py              # all shapes, bf16 and fp32: 7 to 10 minutes
     python benchmarks/moe_layer.py --quick      # shape (d), 2 reps: under a minute
     python benchmarks/moe_layer.py --shapes a --dtypes fp32 --reps 5
+    python benchmarks/moe_layer.py --dtypes fp32 --forms per_group,batched --sweep
+                                                # + torch_moe per expert GEMM form, + T sweep
 
 How to read it:
 
@@ -50,6 +52,8 @@ import argparse
 import contextlib
 import copy
 import math
+import resource
+import statistics
 import sys
 import time
 import warnings
@@ -69,14 +73,17 @@ from _harness import (  # noqa: E402
     environment_header,
     format_table,
     interleaved,
+    line_plot,
     time_once,
     write_csv,
 )
 from ops import MoEShape, describe_rates, gemm_entry, native_gemm_rates  # noqa: E402
 
+import torch_moe.cpu  # noqa: E402
 from torch_moe.nn import MoE, MoEConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+FIGURES = Path(__file__).resolve().parent / "figures"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MODES = ("fwd", "fwd+bwd")
@@ -363,12 +370,20 @@ class Impl:
     gemm_dtype: Optional[torch.dtype] = None
     est_s: dict = field(default_factory=dict)  # mode -> estimated seconds per call
     error: str = ""
+    # torch_moe's expert GEMM form for this implementation's calls (torch_moe.cpu.expert_form);
+    # None: the process-wide default
+    form: Optional[str] = None
 
     def may_skip(self, dtype: torch.dtype) -> bool:
         """torch_moe and everything computing in fp32 always run; an implementation whose
         GEMMs run natively in bf16 (minutes per step on a CPU without bf16 GEMM
         instructions) may be skipped when its estimate is over budget."""
-        return self.name != TORCH_MOE and (self.gemm_dtype or dtype) != torch.float32
+        return (not self.name.startswith(TORCH_MOE)
+                and (self.gemm_dtype or dtype) != torch.float32)
+
+
+def _in_form(form: Optional[str]):
+    return torch_moe.cpu.expert_form(form) if form else contextlib.nullcontext()
 
 
 def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -389,9 +404,13 @@ def reference_moe(shape: LayerShape, seed: int = 0) -> MoE:
     return moe
 
 
-def build_impls(ref: MoE, dtype: torch.dtype, has_titan: bool) -> list[Impl]:
-    impls = [Impl(TORCH_MOE, _cast_parameters(copy.deepcopy(ref), dtype)),
-             Impl(HF_STYLE, _cast_parameters(HFStyleMoE.from_torch_moe(ref), dtype))]
+def build_impls(ref: MoE, dtype: torch.dtype, has_titan: bool, forms=()) -> list[Impl]:
+    """torch_moe (in the default expert form, then in each of ``forms``), the HF-style loop,
+    torchtitan."""
+    impls = [Impl(TORCH_MOE, _cast_parameters(copy.deepcopy(ref), dtype))]
+    impls += [Impl(f"{TORCH_MOE} [{form}]", _cast_parameters(copy.deepcopy(ref), dtype), form=form)
+              for form in forms]
+    impls.append(Impl(HF_STYLE, _cast_parameters(HFStyleMoE.from_torch_moe(ref), dtype)))
     if has_titan:
         try:
             titan = _cast_parameters(torchtitan_from_torch_moe(ref), dtype)
@@ -410,20 +429,23 @@ def make_inputs(shape: LayerShape, dtype: torch.dtype, seed: int = 1) -> tuple[T
     return x_BLD, torch.randn(1, shape.T, D, generator=g).to(dtype)
 
 
-def forward_fn(module: nn.Module, x_BLD: Tensor) -> Callable[[], Tensor]:
+def forward_fn(module: nn.Module, x_BLD: Tensor, form: Optional[str] = None
+               ) -> Callable[[], Tensor]:
     def run() -> Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), _in_form(form):
             return module(x_BLD)
 
     return run
 
 
-def train_step_fns(module: nn.Module, x_BLD: Tensor, grad_BLD: Tensor):
+def train_step_fns(module: nn.Module, x_BLD: Tensor, grad_BLD: Tensor,
+                   form: Optional[str] = None):
     """(step, reset): forward + backward with a dense grad_out; the untimed reset drops the
     gradients, as ``zero_grad(set_to_none=True)`` does."""
 
     def step() -> None:
-        module(x_BLD).backward(grad_BLD)
+        with _in_form(form):  # the backward too: it chooses its GEMM form when it runs
+            module(x_BLD).backward(grad_BLD)
 
     def reset() -> None:
         module.zero_grad(set_to_none=True)
@@ -488,13 +510,13 @@ def _samples(est_s: float, reps: int, warmup: int, budget_s: float) -> tuple[int
 
 
 def bench_cell(shape: LayerShape, dtype: torch.dtype, impls: list[Impl], native_rates: dict,
-               args) -> list[dict]:
-    """Times every implementation of one (shape, dtype) in both modes, with the ceiling GEMM
+               args, modes=MODES, section: str = "layer") -> list[dict]:
+    """Times every implementation of one (shape, dtype) in each mode, with the ceiling GEMM
     in the same rounds."""
     dname = DTYPE_NAMES[dtype]
     x_BLD, grad_BLD = make_inputs(shape, dtype)
     rows = []
-    for mode in MODES:
+    for mode in modes:
         entries, skipped = [], {}
         for impl in impls:
             impl.module.train(mode != "fwd")
@@ -508,10 +530,10 @@ def bench_cell(shape: LayerShape, dtype: torch.dtype, impls: list[Impl], native_
             else:
                 n, w = _samples(est, args.reps, args.warmup, args.cell_seconds)
                 if mode == "fwd":
-                    run = forward_fn(impl.module, x_BLD)
+                    run = forward_fn(impl.module, x_BLD, impl.form)
                     entries.append(Entry(impl.name, run, reps=n, warmup=w))
                 else:
-                    step, reset = train_step_fns(impl.module, x_BLD, grad_BLD)
+                    step, reset = train_step_fns(impl.module, x_BLD, grad_BLD, impl.form)
                     entries.append(Entry(impl.name, step, reset, reps=n, warmup=w))
 
         # The ceiling rate: fp32 mm of one expert GEMM's shape timed in the same rounds, and
@@ -533,7 +555,8 @@ def bench_cell(shape: LayerShape, dtype: torch.dtype, impls: list[Impl], native_
         timed = {e.name: e for e in entries}
         ref_t = timed[TORCH_MOE].median
         for impl in impls:
-            row = dict(section="layer", shape=shape.name, dtype=dname, mode=mode, impl=impl.name)
+            row = dict(section=section, shape=shape.name, T=shape.T, dtype=dname, mode=mode,
+                       impl=impl.name)
             if impl.name in timed:
                 t = timed[impl.name].median
                 row.update(n=len(timed[impl.name].times), median_ms=f"{t * 1e3:.1f}",
@@ -543,7 +566,8 @@ def bench_cell(shape: LayerShape, dtype: torch.dtype, impls: list[Impl], native_
                 row.update(n=0, note=skipped[impl.name])
             rows.append(row)
         rows.append(dict(
-            section="layer", shape=shape.name, dtype=dname, mode=mode, impl="ceiling (dense GEMM)",
+            section=section, shape=shape.name, T=shape.T, dtype=dname, mode=mode,
+            impl="ceiling (dense GEMM)",
             n=len(gemm["fp32"].times), median_ms=f"{ceiling_s * 1e3:.1f}",
             tokens_per_s=f"{shape.T / ceiling_s:,.0f}", frac_ceiling="1.00",
             vs_torch_moe=f"{ceiling_s / ref_t:.2f}x",
@@ -596,31 +620,57 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddb
             "aten::_grouped_mm", "aten::matmul")
 
 
-def bench_overhead(shape: LayerShape, dtype: torch.dtype, impl: Impl, timed_step_s: float) -> dict:
-    """One profiled forward + backward of torch_moe: the share of the step outside its fused
-    expert kernel (router GEMM and scoring, top-k, token sort, load counts, dtype casts,
-    shared expert) and the share inside GEMMs of any kind.
+# The kernel configurations profiled side by side: (expert GEMM form, weight-gradient storage
+# reused). "per_group, fresh" is the per-group form with a fresh gradient storage every step.
+PROFILE_CONFIGS = {"default": (None, True), "per_group, fresh grads": ("per_group", False)}
 
-    Shares are of the profiled step's wall time; the unprofiled median from the timing table
-    is printed beside it, so the profiler's own overhead is visible.
-    """
+
+def _page_faults() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
+def bench_overhead(shape: LayerShape, dtype: torch.dtype, impl: Impl, config: str,
+                   steps: int = 3) -> dict:
+    """torch_moe's forward + backward in one kernel configuration (:data:`PROFILE_CONFIGS`):
+    the median of ``steps`` unprofiled steps and their page faults per step, then one profiled
+    step: the share of its wall time outside the fused expert kernel (router GEMM and scoring,
+    top-k, token sort, load counts, dtype casts, shared expert) and the share inside GEMMs of
+    any kind. Gradients are dropped between steps (``zero_grad(set_to_none=True)``), as a
+    training loop does."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    x_BLD, grad_BLD = make_inputs(shape, dtype)
-    step, reset = train_step_fns(impl.module, x_BLD, grad_BLD)
-    # The first profiled step warms the profiler up and is discarded.
-    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=1),
-                 acc_events=True) as prof:
-        for _ in range(2):
-            step_s = time_once(step)
+    form, reuse = PROFILE_CONFIGS[config]
+    reuse_before = torch_moe.cpu.grad_storage_reuse_enabled()
+    torch_moe.cpu.set_grad_storage_reuse(reuse)
+    try:
+        x_BLD, grad_BLD = make_inputs(shape, dtype)
+        step, reset = train_step_fns(impl.module, x_BLD, grad_BLD, form)
+        step()
+        reset()
+        times, faults = [], []
+        for _ in range(steps):
+            before = _page_faults()
+            times.append(time_once(step))
+            faults.append(_page_faults() - before)
             reset()
-            prof.step()
+        # The first profiled step warms the profiler up and is discarded.
+        with profile(activities=[ProfilerActivity.CPU],
+                     schedule=schedule(wait=0, warmup=1, active=1), acc_events=True) as prof:
+            for _ in range(2):
+                step_s = time_once(step)
+                reset()
+                prof.step()
+    finally:
+        torch_moe.cpu.set_grad_storage_reuse(reuse_before)
     events = prof.key_averages()
     # Total (inclusive) time of the fused op; self time of GEMMs, so nested calls count once.
     expert_s = sum(e.cpu_time_total for e in events if e.key in EXPERT_KERNELS) / 1e6
     gemm_s = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e6
     return dict(section="overhead", shape=shape.name, dtype=DTYPE_NAMES[dtype], impl=TORCH_MOE,
-                step_ms=f"{timed_step_s * 1e3:.1f}", profiled_step_ms=f"{step_s * 1e3:.1f}",
+                config=config, step_ms=f"{statistics.median(times) * 1e3:.1f}",
+                page_faults_per_step=round(statistics.median(faults)),
+                profiled_step_ms=f"{step_s * 1e3:.1f}",
                 expert_kernel_ms=f"{expert_s * 1e3:.1f}",
                 outside_expert_kernel=f"{max(0.0, 1 - expert_s / step_s):.1%}",
                 gemm_share=f"{min(1.0, gemm_s / step_s):.1%}")
@@ -696,14 +746,16 @@ def run_check(shapes: list[LayerShape], has_titan: bool,
 LAYER_COLUMNS = ["shape", "dtype", "mode", "impl", "n", "median_ms", "tokens_per_s",
                  "frac_ceiling", "vs_torch_moe", "note"]
 SAVED_COLUMNS = ["shape", "dtype", "impl", "total_MiB", "activations_MiB", "vs_torch_moe", "how"]
-OVERHEAD_COLUMNS = ["shape", "dtype", "step_ms", "profiled_step_ms", "expert_kernel_ms",
-                    "outside_expert_kernel", "gemm_share"]
+OVERHEAD_COLUMNS = ["shape", "dtype", "config", "step_ms", "page_faults_per_step",
+                    "profiled_step_ms", "expert_kernel_ms", "outside_expert_kernel", "gemm_share"]
+SWEEP_TS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    ap.add_argument("--shapes", default="a,b,c,d",
+                    help="comma-separated subset of a,b,c,d ('' for none, e.g. with --sweep)")
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated subset of bf16,fp32")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per implementation")
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
@@ -718,6 +770,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "with --quick)")
     ap.add_argument("--quick", action="store_true", help="shape (d), 2 reps, tight skip budget")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 correctness check")
+    ap.add_argument("--forms", default="",
+                    help="also time torch_moe with its expert GEMMs in each of these forms "
+                         "(comma-separated subset of per_group,batched; the default row is 'auto')")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also sweep T at D=1024, F=256, E=64, k=8, fp32 forward + backward, and "
+                         "plot the fraction of the ceiling against T")
+    ap.add_argument("--sweep-ts", default=",".join(map(str, SWEEP_TS)),
+                    help="token counts of the sweep")
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.reps, args.warmup = "d", 2, 1
@@ -727,10 +787,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def sweep_shape(T: int) -> LayerShape:
+    return LayerShape(f"T={T}", T, _mixtral_like(1024, 256, 64, 8))
+
+
+def run_sweep(ts: list[int], has_titan: bool, forms: list[str], native_rates: dict, args,
+              start: float) -> list[dict]:
+    """fp32 forward + backward at D=1024, F=256, E=64, k=8 for each T, on the same weights;
+    a table, and a plot of the fraction of the ceiling against T."""
+    print(f"\n== T sweep: D=1024 F=256 E=64 k=8 (Mixtral-like routing), fp32, fwd+bwd; "
+          f"T = {', '.join(map(str, ts))}", flush=True)
+    ref = reference_moe(sweep_shape(ts[0]))  # the weights do not depend on T
+    sweep_rows = []
+    for T in ts:
+        shape = sweep_shape(T)
+        impls = build_impls(ref, torch.float32, has_titan, forms)
+        x_BLD, grad_BLD = make_inputs(shape, torch.float32)
+        for impl in impls:
+            if not impl.error:
+                impl.est_s = {"fwd+bwd": estimate_seconds(impl.module, x_BLD, grad_BLD, "fwd+bwd")}
+        cell = bench_cell(shape, torch.float32, impls, native_rates, args, modes=("fwd+bwd",),
+                          section="sweep")
+        sweep_rows += cell
+        print(f"   T={T}: " + ", ".join(f"{r['impl']} {r.get('frac_ceiling', 'skipped')}"
+                                        for r in cell) +
+              f"  [{time.perf_counter() - start:.0f} s elapsed]", flush=True)
+        del impls, x_BLD, grad_BLD
+    print(format_table(sweep_rows, LAYER_COLUMNS))
+    series = {}
+    for r in sweep_rows:
+        if "frac_ceiling" in r and r["impl"] != "ceiling (dense GEMM)":
+            series.setdefault(r["impl"], []).append((r["T"], float(r["frac_ceiling"])))
+    line_plot(FIGURES / ("moe_layer_sweep_quick.png" if args.quick else "moe_layer_sweep.png"),
+              list(series.items()), "tokens per step T (D=1024, F=256, E=64, k=8, fp32 fwd+bwd)",
+              "fraction of the dense-GEMM ceiling", hline=1.0)
+    return sweep_rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    shapes = [SHAPES[s] for s in args.shapes.split(",")]
+    shapes = [SHAPES[s] for s in args.shapes.split(",") if s]
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    forms = [f for f in args.forms.split(",") if f]
+    for form in forms:
+        if form not in torch_moe.cpu.EXPERT_FORMS:
+            raise SystemExit(f"--forms: expected forms among {torch_moe.cpu.EXPERT_FORMS}, got {form!r}")
     has_titan, titan_line = torchtitan_status()
     # torchtitan's router asks CPU autocast for fp32, which CPU autocast does not support: it
     # warns and runs the gate in the input dtype, on every call.
@@ -760,7 +861,7 @@ def main(argv=None) -> int:
     for shape in shapes:
         ref = reference_moe(shape)
         for dtype in sorted(dtypes, key=lambda d: d != torch.float32):  # fp32 first
-            impls = build_impls(ref, dtype, has_titan)
+            impls = build_impls(ref, dtype, has_titan, forms)
             x_BLD, grad_BLD = make_inputs(shape, dtype)
             for impl in impls:
                 if not impl.error:
@@ -773,21 +874,26 @@ def main(argv=None) -> int:
             print(format_table(cell, LAYER_COLUMNS), flush=True)
             layer_rows += cell
             saved_rows += bench_saved(shape, dtype, impls, args)
-            step_ms = next(float(r["median_ms"]) for r in cell
-                           if r["impl"] == TORCH_MOE and r["mode"] == "fwd+bwd")
-            overhead_rows.append(bench_overhead(shape, dtype, impls[0], step_ms / 1e3))
+            overhead_rows += [bench_overhead(shape, dtype, impls[0], config)
+                              for config in PROFILE_CONFIGS]
             print(f"   [{time.perf_counter() - start:.0f} s elapsed]", flush=True)
             del impls, x_BLD, grad_BLD
 
-    print("\n== bytes saved for backward (distinct storages; activations exclude x and the "
-          "parameters; vs_torch_moe compares activations)")
-    print(format_table(saved_rows, SAVED_COLUMNS))
-    print("\n== torch_moe, one profiled fwd+bwd step: share of its wall time outside the fused "
-          "expert kernel (torch_moe::grouped_ffn + grouped_ffn_backward: gather, expert GEMMs, "
-          "activation, weighted scatter) and share in GEMM ops of any kind; step_ms is the "
-          "unprofiled median")
-    print(format_table(overhead_rows, OVERHEAD_COLUMNS))
+    if shapes:
+        print("\n== bytes saved for backward (distinct storages; activations exclude x and the "
+              "parameters; vs_torch_moe compares activations)")
+        print(format_table(saved_rows, SAVED_COLUMNS))
+        print("\n== torch_moe fwd+bwd per kernel configuration (default: the 'auto' expert form, "
+              "weight-gradient storage reused; per_group, fresh grads: one GEMM per expert and a "
+              "fresh gradient storage each step): unprofiled median step and page faults per "
+              "step, then one profiled step's share of wall time outside the fused expert kernel "
+              "(torch_moe::grouped_ffn + grouped_ffn_backward: gather, expert GEMMs, activation, "
+              "weighted scatter) and in GEMM ops of any kind")
+        print(format_table(overhead_rows, OVERHEAD_COLUMNS))
     rows += layer_rows + saved_rows + overhead_rows
+    if args.sweep:
+        rows += run_sweep([int(t) for t in args.sweep_ts.split(",")], has_titan, forms,
+                          native_rates, args, start)
     write_csv(args.csv, rows)
     print(f"\nwrote {args.csv} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s")
     return 0 if ok else 1

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import environment_header, format_table, write_csv  # noqa: E402
+from _harness import environment_header, format_table, line_plot, write_csv  # noqa: E402
 
 import torch_moe.cpu  # noqa: E402
 from torch_moe.nn import GroupedExperts, MoE, MoEConfig  # noqa: E402
@@ -355,69 +354,9 @@ def _series(rows):
 
 
 def plot(rows, out: Path) -> None:
-    """Throughput against cache size: a PNG with matplotlib, else an SVG written by hand."""
-    series = _series(rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        svg = out.with_suffix(".svg")
-        svg.write_text(_svg(series))
-        print(f"matplotlib is not installed (pip install -e .[plots]): wrote {svg} instead")
-        return
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, pts in series:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("cache size / experts per layer")
-    ax.set_ylabel("throughput / all-resident (cold file)")
-    ax.legend(fontsize=6)
-    fig.savefig(out, dpi=150, bbox_inches="tight")
-    print(f"wrote {out}")
-
-
-def _svg(series) -> str:
-    W, H, left, right, top, bottom = 640, 420, 60, 230, 20, 50
-    xs = sorted({p[0] for _, pts in series for p in pts}) or [1.0]
-    ymax = max([1.0] + [p[1] for _, pts in series for p in pts]) * 1.05
-    lo, hi = math.log2(xs[0]), math.log2(xs[-1]) if xs[-1] > xs[0] else math.log2(xs[0]) + 1
-    def px(x):
-        return left + (math.log2(x) - lo) / (hi - lo) * (W - left - right)
-    def py(y):
-        return H - bottom - y / ymax * (H - top - bottom)
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-              "#7f7f7f", "#bcbd22"]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-             'font-family="sans-serif" font-size="11">',
-             f'<rect width="{W}" height="{H}" fill="white"/>',
-             f'<line x1="{left}" y1="{py(0)}" x2="{W - right}" y2="{py(0)}" stroke="black"/>',
-             f'<line x1="{left}" y1="{py(0)}" x2="{left}" y2="{top}" stroke="black"/>',
-             f'<line x1="{left}" y1="{py(1)}" x2="{W - right}" y2="{py(1)}" stroke="gray" '
-             'stroke-dasharray="4"/>']
-    for x in xs:
-        parts.append(f'<text x="{px(x)}" y="{H - bottom + 15}" text-anchor="middle">{x:g}</text>')
-    for i in range(6):
-        y = ymax * i / 5
-        parts.append(f'<text x="{left - 5}" y="{py(y) + 4}" text-anchor="end">{y:.2f}</text>')
-    parts.append(f'<text x="{(left + W - right) / 2}" y="{H - 12}" text-anchor="middle">'
-                 'cache size / experts per layer</text>')
-    parts.append(f'<text x="14" y="{(top + H - bottom) / 2}" text-anchor="middle" '
-                 f'transform="rotate(-90 14 {(top + H - bottom) / 2})">throughput / all-resident '
-                 '(cold file)</text>')
-    for i, (label, pts) in enumerate(series):
-        c = colors[i % len(colors)]
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        parts.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="1.5"/>')
-        parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{c}"/>' for x, y in pts]
-        ly = top + 14 * i + 10
-        parts.append(f'<line x1="{W - right + 10}" y1="{ly}" x2="{W - right + 30}" y2="{ly}" '
-                     f'stroke="{c}" stroke-width="1.5"/>')
-        parts.append(f'<text x="{W - right + 35}" y="{ly + 4}">{label}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+    """Throughput against cache size."""
+    line_plot(out, _series(rows), "cache size / experts per layer",
+              "throughput / all-resident (cold file)", hline=1.0)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ D model dim, F expert hidden dim.
     python benchmarks/ops.py --quick         # shape (c), fp32, one rep, under a minute
     python benchmarks/ops.py --check         # correctness of all implementations, then exit
     python benchmarks/ops.py --quick --sections frozen   # frozen vs trainable experts
+    python benchmarks/ops.py --sections ffn --dtypes fp32 --forms per_group,batched
+                                             # torch_moe in each expert GEMM form side by side
 """
 
 from __future__ import annotations
@@ -290,6 +292,15 @@ class Prepared:
     params: list[Tensor]  # leaves, in the implementation's own layout
     forward: Callable[[Tensor, Tensor, Tensor], Tensor]  # (x_TD, ids_TK, weights_TK) -> y_TD
     canonical_grads: Callable[[], tuple[Tensor, Tensor, Tensor]]  # (dw1_EDF, dw2_EFD, dw3_EDF)
+    # torch_moe's expert GEMM form for its calls, forward and backward (None: the default)
+    form: str | None = None
+
+    def context(self):
+        if self.form is None:
+            return contextlib.nullcontext()
+        import torch_moe.cpu
+
+        return torch_moe.cpu.expert_form(self.form)
 
 
 @dataclass(frozen=True)
@@ -375,13 +386,14 @@ def prepare_torchtitan(p: Problem) -> Prepared:
     return Prepared(params, forward, lambda: tuple(w.grad.transpose(-2, -1) for w in params))
 
 
-def _torch_moe_impls(api: MoEApi) -> list[MoEImpl]:
-    def separate(p: Problem) -> Prepared:
+def _torch_moe_impls(api: MoEApi, forms=()) -> list[MoEImpl]:
+    def separate(p: Problem, form: str | None = None) -> Prepared:
         w1, w2, w3 = p.weights
         return Prepared(
             [w1, w2, w3],
             lambda x, ids, tw: api.moe_ffn(x, ids, tw, w1, w2, w3, activation="swiglu"),
             lambda: (w1.grad, w2.grad, w3.grad),
+            form,
         )
 
     def fused(p: Problem) -> Prepared:
@@ -401,8 +413,10 @@ def _torch_moe_impls(api: MoEApi) -> list[MoEImpl]:
 
         if gemm_compute_dtype(torch.bfloat16) == torch.float32:
             gemm_dtype = torch.float32
-    return [MoEImpl(f"{api.name}", separate, gemm_dtype),
-            MoEImpl(f"{api.name} (w13)", fused, gemm_dtype)]
+    return ([MoEImpl(f"{api.name}", separate, gemm_dtype),
+             MoEImpl(f"{api.name} (w13)", fused, gemm_dtype)]
+            + [MoEImpl(f"{api.name} [{form}]", functools.partial(separate, form=form), gemm_dtype)
+               for form in forms])
 
 
 def torchtitan_status() -> tuple[bool, str]:
@@ -420,8 +434,8 @@ OBVIOUS = "obvious composition"
 TITAN_STYLE = "torchtitan-style"
 
 
-def all_impls(api: MoEApi | None, with_torchtitan: bool) -> list[MoEImpl]:
-    impls = _torch_moe_impls(api) if api is not None else []
+def all_impls(api: MoEApi | None, with_torchtitan: bool, forms=()) -> list[MoEImpl]:
+    impls = _torch_moe_impls(api, forms) if api is not None else []
     impls += [
         MoEImpl(HF_LOOP, prepare_hf_loop),
         MoEImpl(TITAN_STYLE, prepare_titan_style),
@@ -439,7 +453,7 @@ def all_impls(api: MoEApi | None, with_torchtitan: bool) -> list[MoEImpl]:
 
 def forward_fn(p: Problem, prep: Prepared) -> Callable[[], Tensor]:
     def run() -> Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), prep.context():
             return prep.forward(p.x_TD, p.topk_ids_TK, p.topk_weights_TK)
 
     return run
@@ -451,10 +465,11 @@ def train_step_fns(p: Problem, prep: Prepared) -> tuple[Callable[[], None], Call
     leaves = [p.x_TD, *prep.params]
 
     def step() -> None:
-        y_TD = prep.forward(p.x_TD, p.topk_ids_TK, p.topk_weights_TK)
-        # A dense grad, not y.sum(): sum's stride-0 grad is unrepresentative, and
-        # _grouped_mm's backward rejects it.
-        y_TD.backward(p.grad_out_TD)
+        with prep.context():  # the backward too: it chooses its GEMM form when it runs
+            y_TD = prep.forward(p.x_TD, p.topk_ids_TK, p.topk_weights_TK)
+            # A dense grad, not y.sum(): sum's stride-0 grad is unrepresentative, and
+            # _grouped_mm's backward rejects it.
+            y_TD.backward(p.grad_out_TD)
 
     def reset() -> None:
         for t in leaves:
@@ -963,6 +978,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--csv", default=str(Path(__file__).resolve().parent / "results" / "ops.csv"))
     ap.add_argument("--quick", action="store_true",
                     help="shape (c), fp32, one rep: under a minute (other flags still apply)")
+    ap.add_argument("--forms", default="",
+                    help="also time torch_moe with its expert GEMMs in each of these forms "
+                         "(comma-separated subset of per_group,batched; the default row is 'auto')")
     ap.add_argument("--check", action="store_true",
                     help="compare all implementations with the per-expert loop on a small shape, then exit")
     args = ap.parse_args(argv)
@@ -1005,7 +1023,8 @@ def main(argv=None) -> int:
         print(format_table(sort_rows, SORT_COLUMNS) + "\n")
         rows += sort_rows
 
-    impls = all_impls(api, has_titan)
+    forms = [f for f in args.forms.split(",") if f]
+    impls = all_impls(api, has_titan, forms)
     ffn_rows, saved_rows = [], []
     if "ffn" in sections:
         print("== moe_ffn: median time; frac_ceiling = ceiling time / time; vs_obvious = obvious "
