@@ -29,7 +29,7 @@ Shapes (T tokens, D model dim, F expert dim, E experts, k experts per token):
     python benchmarks/moe_layer.py              # all shapes, bf16 and fp32: 7 to 10 minutes
     python benchmarks/moe_layer.py --quick      # shape (d), 2 reps: under a minute
     python benchmarks/moe_layer.py --shapes a --dtypes fp32 --reps 5
-    python benchmarks/moe_layer.py --dtypes fp32 --forms per_group,batched --sweep
+    python benchmarks/moe_layer.py --dtypes fp32 --forms auto,batched --sweep
                                                 # + torch_moe per expert GEMM form, + T sweep
 
 How to read it:
@@ -621,8 +621,8 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddb
 
 
 # The kernel configurations profiled side by side: (expert GEMM form, weight-gradient storage
-# reused). "per_group, fresh" is the per-group form with a fresh gradient storage every step.
-PROFILE_CONFIGS = {"default": (None, True), "per_group, fresh grads": ("per_group", False)}
+# reused). "fresh grad storage": a fresh gradient storage every step, as any allocation gets.
+PROFILE_CONFIGS = {"default": (None, True), "fresh grad storage": (None, False)}
 
 
 def _page_faults() -> int:
@@ -772,7 +772,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 correctness check")
     ap.add_argument("--forms", default="",
                     help="also time torch_moe with its expert GEMMs in each of these forms "
-                         "(comma-separated subset of per_group,batched; the default row is 'auto')")
+                         "(comma-separated subset of auto,batched; the default row is per_group)")
     ap.add_argument("--sweep", action="store_true",
                     help="also sweep T at D=1024, F=256, E=64, k=8, fp32 forward + backward, and "
                          "plot the fraction of the ceiling against T")
@@ -883,9 +883,10 @@ def main(argv=None) -> int:
         print("\n== bytes saved for backward (distinct storages; activations exclude x and the "
               "parameters; vs_torch_moe compares activations)")
         print(format_table(saved_rows, SAVED_COLUMNS))
-        print("\n== torch_moe fwd+bwd per kernel configuration (default: the 'auto' expert form, "
-              "weight-gradient storage reused; per_group, fresh grads: one GEMM per expert and a "
-              "fresh gradient storage each step): unprofiled median step and page faults per "
+        print("\n== torch_moe fwd+bwd per kernel configuration (default: weight-gradient storage "
+              "reused across steps; fresh grad storage: a fresh gradient storage each step, "
+              "torch_moe.cpu.set_grad_storage_reuse(False)): unprofiled median step and page "
+              "faults per "
               "step, then one profiled step's share of wall time outside the fused expert kernel "
               "(torch_moe::grouped_ffn + grouped_ffn_backward: gather, expert GEMMs, activation, "
               "weighted scatter) and in GEMM ops of any kind")

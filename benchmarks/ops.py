@@ -31,7 +31,7 @@ D model dim, F expert hidden dim.
     python benchmarks/ops.py --quick         # shape (c), fp32, one rep, under a minute
     python benchmarks/ops.py --check         # correctness of all implementations, then exit
     python benchmarks/ops.py --quick --sections frozen   # frozen vs trainable experts
-    python benchmarks/ops.py --sections ffn --dtypes fp32 --forms per_group,batched
+    python benchmarks/ops.py --sections ffn --dtypes fp32 --forms auto,batched
                                              # torch_moe in each expert GEMM form side by side
 """
 
@@ -980,7 +980,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="shape (c), fp32, one rep: under a minute (other flags still apply)")
     ap.add_argument("--forms", default="",
                     help="also time torch_moe with its expert GEMMs in each of these forms "
-                         "(comma-separated subset of per_group,batched; the default row is 'auto')")
+                         "(comma-separated subset of auto,batched; the default row is per_group)")
     ap.add_argument("--check", action="store_true",
                     help="compare all implementations with the per-expert loop on a small shape, then exit")
     args = ap.parse_args(argv)

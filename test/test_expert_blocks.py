@@ -4,6 +4,9 @@ rule that picks them, and both forms against the reference loop and each other, 
 backward, with padding, biases, fused gate/up, non-contiguous weights and experts without rows."""
 
 import itertools
+import subprocess
+import sys
+import threading
 
 import torch
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, \
@@ -26,10 +29,16 @@ def _bounds(counts):
     return bounds
 
 
-class TestPlan(TestCase):
-    def tearDown(self):
-        blocks_mod.set_form("auto")
-        super().tearDown()
+class _RestoresForm(TestCase):
+    def setUp(self):
+        super().setUp()
+        self.addCleanup(blocks_mod.set_form, blocks_mod.get_form())
+
+
+class TestPlan(_RestoresForm):
+    def setUp(self):
+        super().setUp()
+        blocks_mod.set_form("auto")  # the rule under test
 
     def _check_cover(self, bounds, plan):
         # every group once, in slot order; blocks contiguous
@@ -42,7 +51,11 @@ class TestPlan(TestCase):
         bounds = _bounds(counts)
         plan = plan_blocks(bounds, "cpu")
         self._check_cover(bounds, plan)
-        self.assertTrue(all(b.batched for b in plan))
+        # batched, but for a tail too short to be worth a batched block of its own
+        if not plan[-1].batched:
+            self.assertLess(plan[-1].end - plan[-1].start, blocks_mod.BATCH_MIN_BLOCK_ROWS)
+            plan = plan[:-1]
+        self.assertTrue(plan and all(b.batched for b in plan))
         for b in plan:
             real = b.end - b.start
             self.assertLessEqual(b.num_rows, blocks_mod.BATCH_MAX_PADDING * real)
@@ -59,6 +72,31 @@ class TestPlan(TestCase):
             plan = plan_blocks(bounds, "cpu")
             self._check_cover(bounds, plan)
             self.assertFalse(any(b.batched for b in plan), msg=str(counts))
+
+    def test_short_runs_stay_per_group(self):
+        # two small similar experts between large ones: a batched block of 62 padded rows would
+        # only add blocks
+        bounds = _bounds([30, 31, 600, 30, 31, 600])
+        plan = plan_blocks(bounds, "cpu")
+        self._check_cover(bounds, plan)
+        self.assertFalse(any(b.batched for b in plan))
+
+    def test_default_is_per_group_and_use_form_is_per_thread(self):
+        fresh = subprocess.run([sys.executable, "-c", "import torch_moe.cpu as c; "
+                                "print(c.get_expert_form())"], capture_output=True, text=True,
+                               check=True)
+        self.assertEqual(fresh.stdout.strip(), "per_group")
+        bounds = _bounds([30 + (g * 7) % 5 for g in range(64)])
+        blocks_mod.set_form("per_group")
+        self.assertFalse(any(b.batched for b in plan_blocks(bounds, "cpu")))
+        with blocks_mod.use_form("batched"):
+            self.assertTrue(all(b.batched for b in plan_blocks(bounds, "cpu")))
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(blocks_mod.get_form()))
+            other.start()
+            other.join()
+            self.assertEqual(seen, ["per_group"])
+        self.assertEqual(blocks_mod.get_form(), "per_group")
 
     def test_forms_can_be_chosen(self):
         bounds = _bounds([30] * 16 + [900, 2, 300, 5])
@@ -116,10 +154,7 @@ def _run(form, case):
     return out, grads, grad
 
 
-class TestForms(TestCase):
-    def tearDown(self):
-        blocks_mod.set_form("auto")
-        super().tearDown()
+class TestForms(_RestoresForm):
 
     @parametrize("fused,bias,align,routing", list(itertools.product(
         (False, True), (False, True), (1, 4), ("balanced", "gaps"))))

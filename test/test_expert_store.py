@@ -7,9 +7,9 @@ mode; and the errors of every entry point.
 Bit-identity is to the resident layer computing in the fused CPU op's per-group form (one GEMM
 per expert, each expert's rows computed from its rows alone), the form the store's passes always
 use: a pass computes an expert among other neighbours than the resident call does. The resident
-side of the exactness tests therefore runs under ``torch_moe.cpu.expert_form("per_group")``; against
-the default ``"auto"`` form, which batches runs of small experts into one padded ``bmm``, the two
-agree to fp32 rounding (``test_auto_form_within_rounding``)."""
+side of the exactness tests runs under ``torch_moe.cpu.expert_form("per_group")`` (the default,
+made explicit); against the ``"auto"`` form, which batches runs of small experts into one padded
+``bmm``, the two agree to fp32 rounding (``test_auto_form_within_rounding``)."""
 
 import contextlib
 import copy
@@ -329,8 +329,8 @@ class TestOffloadedMoE(_Files):
         self._compare(_Model(top_k=3), 3, tokens=24)
 
     def test_auto_form_within_rounding(self):
-        # The resident layer in the default form batches runs of small similar experts, whose
-        # bmm may sum in another order than the store's per-group GEMMs: fp32 rounding, no more.
+        # The resident layer in the auto form batches runs of small similar experts, whose bmm
+        # may sum in another order than the store's per-group GEMMs: fp32 rounding, no more.
         torch.manual_seed(0)
         # (K = 1024: at this depth bmm and mm sum in different orders on x86 MKL)
         model = _Model(layers=1, dim=1024, hidden_dim=32, top_k=2)
@@ -341,9 +341,9 @@ class TestOffloadedMoE(_Files):
         self.addCleanup(store.close)
         x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            y_auto, y_off = model(x), offloaded(x)
-            with torch_moe.cpu.expert_form("per_group"):
-                y_per_group = model(x)
+            y_off, y_per_group = offloaded(x), model(x)
+            with torch_moe.cpu.expert_form("auto"):
+                y_auto = model(x)
         self.assertTrue(torch.equal(y_off, y_per_group))
         torch.testing.assert_close(y_off, y_auto, rtol=1.3e-6, atol=1e-5)
 

@@ -11,11 +11,13 @@ refers to it)::
     torch_moe.cpu.set_grad_storage_reuse(False)   # allocate every gradient afresh
 
 Expert GEMM form. The fused expert kernels run an expert's GEMMs either one ``mm`` per expert
-(``"per_group"``) or, for runs of experts with few and similar row counts, one ``bmm`` over
-several experts padded to a common row count (``"batched"``); ``"auto"`` (the default) chooses
-per run of experts by the rule of :mod:`torch_moe._native._expert_blocks`::
+(``"per_group"``, the default) or, for runs of experts with few and similar row counts, one
+``bmm`` over several experts padded to a common row count (``"batched"``); ``"auto"`` chooses
+per run of experts by the rule of :mod:`torch_moe._native._expert_blocks`. Which is fastest
+depends on the CPU's GEMM kernels at a few tens of rows: measure with
+``benchmarks/moe_layer.py --forms auto,batched``::
 
-    torch_moe.cpu.set_expert_form("per_group")     # process-wide
+    torch_moe.cpu.set_expert_form("auto")          # process-wide
     with torch_moe.cpu.expert_form("per_group"):   # this thread, within the block
         ...
 

@@ -10,21 +10,25 @@ forms:
 * batched: the experts ``g0 .. g0 + B - 1`` of the block (those without rows included), each
   given ``L`` rows, ``L`` the block's longest group, the rows past an expert's count being zero
   padding; one ``bmm`` over the ``B`` experts per GEMM. At a few tens of rows per expert a single
-  ``mm`` cannot keep two or more cores busy and pays its call and packing overhead on little
-  work, while ``bmm`` runs the experts side by side: on a 2-core AVX512 machine, at 32 rows per
-  expert (D = 1024, F = 256) the per-group GEMMs reach 60-80 GFLOP/s and ``bmm`` 85-135, at 128
-  rows 110-150 against 150-230 (``python benchmarks/ops.py --sections ffn --dtypes fp32 --forms
-  per_group,batched`` times the whole op in each form).
+  ``mm`` may not keep every core busy and pays its call and packing overhead on little work,
+  while ``bmm`` runs the experts side by side: on a 2-core AVX512 machine, GEMMs alone at 32
+  rows per expert (D = 1024, F = 256) reach 60-80 GFLOP/s per group and 85-135 batched. On the
+  whole fused op the padding rows and the copies into and out of the padded layout take that
+  gain back there (``python benchmarks/ops.py --sections ffn --dtypes fp32 --forms
+  auto,batched`` times the op in each form).
 
-The rule between them (:func:`plan_blocks`): a run of experts takes the batched form when each
-of them has at most :data:`BATCH_MAX_ROWS` rows, its padded rows ``B * L`` are at most
-:data:`BATCH_MAX_PADDING` times its real rows and at most :data:`BATCH_MAX_BLOCK_ROWS` (so the
-block's buffers stay a few MiB, in cache and below glibc's mmap threshold), and it spans at least
-two experts. Everything else runs per-group, in blocks of at least ``BLOCK_ROWS`` slots. Skewed
-routing therefore falls back to the per-group form by itself; balanced small groups (decode,
-small micro-batches, fine-grained experts) batch.
+The default form is per-group (see ``_form``). The rule between them, the ``"auto"`` form
+(:func:`plan_blocks`): a run of experts takes the batched form when each of them has at most
+:data:`BATCH_MAX_ROWS` rows, its padded rows ``B * L`` are at most :data:`BATCH_MAX_PADDING`
+times its real rows and at most :data:`BATCH_MAX_BLOCK_ROWS` (so the block's buffers stay a few
+MiB, in cache and below glibc's mmap threshold), at least :data:`BATCH_MIN_BLOCK_ROWS` (a short
+run only cuts the slots into more blocks), and it spans at least two experts. Everything else
+runs per-group, in blocks of at least ``BLOCK_ROWS`` slots. Skewed routing therefore falls back
+to the per-group form by itself; balanced small groups (decode, small micro-batches,
+fine-grained experts) batch.
 
-Numerics: the per-group form is the kernels' original arithmetic, bit for bit. The batched form
+Numerics: the per-group form computes each expert's rows with GEMMs of its own, whatever the
+other experts' rows, bit for bit as one ``mm`` per expert. The batched form
 computes the same products, but ``bmm`` may sum each dot product in another order than ``mm``
 (within fp32 rounding: a relative 1e-6 for K = 1024). Padding rows never reach an output: they
 are zero on entry, set to zero after each step whatever the weights hold (NaN, Inf, biases), and
@@ -43,7 +47,7 @@ from typing import Optional
 import torch
 
 __all__ = ["Block", "plan_blocks", "FORMS", "set_form", "get_form", "use_form", "BLOCK_ROWS",
-           "BATCH_MAX_ROWS", "BATCH_MAX_PADDING", "BATCH_MAX_BLOCK_ROWS"]
+           "BATCH_MAX_ROWS", "BATCH_MAX_PADDING", "BATCH_MAX_BLOCK_ROWS", "BATCH_MIN_BLOCK_ROWS"]
 
 # A per-group block holds at least this many sorted slots: many small experts cost few
 # elementwise launches, while the buffers stay a few MiB.
@@ -54,12 +58,19 @@ BATCH_MAX_ROWS = 256
 BATCH_MAX_PADDING = 1.25
 # Padded rows of one batched block at most: buffers of [rows, D] stay a few MiB.
 BATCH_MAX_BLOCK_ROWS = 1024
+# Padded rows of one batched block at least: a short run cuts the slots into more blocks, each
+# paying the elementwise calls' fixed cost, for little GEMM time saved.
+BATCH_MIN_BLOCK_ROWS = 256
 
 # "auto": the rule above; "per_group": never batched; "batched": every run of at least two
 # experts batched whatever its padding and row counts (blocks still of at most
 # BATCH_MAX_BLOCK_ROWS padded rows, or two experts).
 FORMS = ("auto", "per_group", "batched")
-_form = "auto"
+# The default: on the 2-core AVX512 machine measured, the per-group form is as fast as the best
+# of the others at every token count from 64 to 8192 at D = 1024, F = 256, E = 64, k = 8
+# (within noise, or faster: ``benchmarks/moe_layer.py --forms auto,batched --sweep``), and it
+# is the one whose bits do not depend on an expert's neighbours.
+_form = "per_group"
 # A form set for one thread by use_form(), over the process-wide one: a caller whose result must
 # not depend on a neighbour's rows (the expert store's passes) fixes the form for its own kernel
 # calls without changing those of other threads.
@@ -245,9 +256,12 @@ def plan_blocks(bounds, device) -> list:
             chunk, per_group = per_group[:cut], per_group[cut:]
             blocks.append(Block(chunk[0][1], chunk[-1][2], chunk))
 
+    def padded_rows(groups) -> int:
+        return (groups[-1][0] - groups[0][0] + 1) * max(e - s for _, s, e in groups)
+
     def flush_run():
         nonlocal run
-        if len(run) >= 2:
+        if len(run) >= 2 and (form == "batched" or padded_rows(run) >= BATCH_MIN_BLOCK_ROWS):
             flush_per_group(force=True)
             blocks.append(_batched_block(run, device))
         else:
@@ -256,12 +270,11 @@ def plan_blocks(bounds, device) -> list:
         run = []
 
     def fits(groups) -> bool:
-        L = max(e - s for _, s, e in groups)
-        span = groups[-1][0] - groups[0][0] + 1
+        padded = padded_rows(groups)
         if form == "batched":
-            return span * L <= BATCH_MAX_BLOCK_ROWS or span <= 2
+            return padded <= BATCH_MAX_BLOCK_ROWS or groups[-1][0] - groups[0][0] < 2
         real = groups[-1][2] - groups[0][1]
-        return span * L <= BATCH_MAX_PADDING * real and span * L <= BATCH_MAX_BLOCK_ROWS
+        return padded <= BATCH_MAX_PADDING * real and padded <= BATCH_MAX_BLOCK_ROWS
 
     for g, s, e in bounds:
         if form == "per_group" or (form == "auto" and e - s > BATCH_MAX_ROWS):

@@ -24,9 +24,9 @@ The passes run the fused kernels in their per-group form (one GEMM per expert,
 computed independently of which other experts share the call: the batched form's ``bmm`` over
 several experts may round an expert's products differently with other neighbours, and a pass
 holds other neighbours than the resident layer's single call. Bit-identity is therefore to the
-resident layer in the per-group form; against the resident layer in the default ``"auto"`` form,
-which batches runs of small similar experts, outputs and gradients agree to fp32 rounding (the
-batched form's summation order, a relative 1e-6 or so).
+resident layer in the per-group form (the default); against a resident layer in the ``"auto"`` or
+``"batched"`` form, which batch runs of small similar experts, outputs and gradients agree to
+fp32 rounding (the batched form's summation order, a relative 1e-6 or so).
 
 Pass order: experts already resident first, then the missing ones; with prefetch, a pass uses
 half of the slots so that the next pass's experts load into the other half while it computes.

@@ -131,9 +131,9 @@ def offload_experts(model: nn.Module, path, *, cache_experts: int, policy: str =
     :class:`OffloadedExperts`; its weights are freed. Outputs and gradients (of the tokens and
     of the routing weights, hence of the router, the shared experts and the layers before) are
     bit-identical to the resident layer in fp32 for any cache size, the resident layer computing
-    its experts one GEMM each (``torch_moe.cpu.expert_form("per_group")``, the form the store's
-    passes always use); within fp32 rounding of the default ``"auto"`` form, which may batch
-    small experts into one ``bmm``. The experts are frozen.
+    its experts one GEMM each (the default ``"per_group"`` form of ``torch_moe.cpu``, the form
+    the store's passes always use); within fp32 rounding of the ``"auto"`` and ``"batched"``
+    forms, which may batch small experts into one ``bmm``. The experts are frozen.
 
     Args:
         cache_experts: slots per layer, in ``[1, num_experts]``.
