@@ -40,6 +40,8 @@ SHORT_FORMS = {
     "python benchmarks/ops.py": "python benchmarks/ops.py --quick",
     "python benchmarks/hf_models.py": "python benchmarks/hf_models.py --quick --csv \"$(mktemp -d)/hf_models.csv\"",
     "python benchmarks/moe_layer.py": "python benchmarks/moe_layer.py --quick",
+    "python benchmarks/moe_layer.py --sweep":
+        "python benchmarks/moe_layer.py --quick --no-check --sweep --sweep-ts 64,128",
     "python benchmarks/offload.py": "python benchmarks/offload.py --quick",
     "python tools/import_graph.py": "python tools/import_graph.py",
     "python benchmarks/gpu.py": "python benchmarks/gpu.py --quick",
