@@ -194,19 +194,6 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cdt: torch.dty
         out.copy_(torch.mm(_gemm_operand(a, cdt), _gemm_operand(b, cdt), out=scratch))
 
 
-def _row(b, g: int):
-    """Row ``g`` of an optional per-expert bias ``b [E, N]`` (None without one)."""
-    return b[g] if b is not None else None
-
-
-def _mm_bias(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
-    """out = a @ b (+ bias, one row broadcast over the rows of out): addmm adds the bias in the
-    GEMM's epilogue (beta * C), with no pass of its own over out."""
-    if bias is None:
-        return torch.mm(a, b, out=out)
-    return torch.addmm(bias, a, b, out=out)
-
-
 def _empty_grad_like(w: torch.Tensor, bounds) -> torch.Tensor:
     """A gradient for the [E, ...] weight ``w``, in its strides where it is dense
     (:func:`torch_moe._native._layouts.weight_grad_strides`); only experts without rows are zeroed.
@@ -765,7 +752,7 @@ def grouped_ffn_backward(grad, x, sorted_ids, offs, topk_weights, w1, w2, w3, hi
                 blk.row_sums(dH[:, :F] if split else dH, grad_b1, acc)
             if want_b3:
                 blk.row_sums(dH[:, F:], grad_b3, acc)
-            up(blk, r, pad_b, pad_r, dH)
+            up(blk, r, pad_r, dH)
     if want_topk:
         if pad is not None:
             grad_weight_sorted.masked_fill_(pad, 0)
@@ -804,9 +791,9 @@ class _UpBackward:
     def _scratch(self, name):
         return lambda shape: self.bufs.get(name, 1, math.prod(shape), self.cdt).view(shape)
 
-    def __call__(self, blk, r, pad_b, pad_r, dH):
-        """dH ``[num_rows, H]``: the pre-activation gradient of the block's rows; r, pad_b:
-        the token rows and padding mask of its slots, pad_r: the padding mask of its rows."""
+    def __call__(self, blk, r, pad_r, dH):
+        """dH ``[num_rows, H]``: the pre-activation gradient of the block's rows; r: the token
+        rows of its slots, pad_r: the padding rows of the block (``Block.pad_rows``)."""
         n, F, cdt, bufs = blk.num_rows, self.F, self.cdt, self.bufs
         split = self.W3t is not None
         dH1 = dH[:, :F] if split else dH
