@@ -429,7 +429,7 @@ class TestOutputMask(TestCase):
         groups = int((torch.diff(offs, prepend=offs.new_zeros(1)) > 0).sum())
         return x, sorted_ids, offs, topk_weights, w1, w2, w3, groups
 
-    def _backward_gemms(self, args, trainable: bool) -> int:
+    def _backward_gemms(self, args, trainable: bool) -> tuple[int, int]:
         x, sorted_ids, offs, topk_weights, w1, w2, w3 = [
             a.detach().requires_grad_(a.is_floating_point() and (trainable or i in (0, 3)))
             if isinstance(a, torch.Tensor) else a
@@ -445,17 +445,22 @@ class TestOutputMask(TestCase):
         weight_gemms = sum(shape in weight_shapes for shape in mode.out_shapes)
         return mode.gemms, weight_gemms
 
+    @parametrize("form", ["per_group", "batched"])
     @parametrize("fused", [True, False])
-    def test_grouped_ffn_frozen_experts_skip_weight_gradients(self, fused):
+    def test_grouped_ffn_frozen_experts_skip_weight_gradients(self, fused, form):
         *args, groups = self._ffn(fused)
-        trainable, trainable_weight_gemms = self._backward_gemms(args, trainable=True)
-        frozen, frozen_weight_gemms = self._backward_gemms(args, trainable=False)
+        with torch_moe.cpu.expert_form(form):
+            trainable, trainable_weight_gemms = self._backward_gemms(args, trainable=True)
+            frozen, frozen_weight_gemms = self._backward_gemms(args, trainable=False)
         weights = 2 if fused else 3
-        # at least one weight-gradient GEMM per weight (one per group in the per-group form,
-        # one per block in the batched form), and frozen experts compute none of them, nothing
-        # else skipped
-        self.assertGreaterEqual(trainable_weight_gemms, weights)
-        self.assertLessEqual(trainable_weight_gemms, weights * groups)
+        # one weight-gradient GEMM per weight and non-empty group in the per-group form (one
+        # per weight and block batched), and frozen experts compute none of them, nothing else
+        # skipped
+        if form == "per_group":
+            self.assertEqual(trainable_weight_gemms, weights * groups)
+        else:
+            self.assertEqual(trainable_weight_gemms % weights, 0)
+            self.assertLess(trainable_weight_gemms, weights * groups)
         self.assertEqual(frozen_weight_gemms, 0)
         self.assertEqual(frozen, trainable - trainable_weight_gemms)
 
