@@ -464,6 +464,22 @@ class TestOutputMask(TestCase):
         self.assertEqual(frozen_weight_gemms, 0)
         self.assertEqual(frozen, trainable - trainable_weight_gemms)
 
+    @parametrize("fused", [True, False])
+    def test_grouped_ffn_hidden_gets_no_gradient(self, fused):
+        # `hidden` is non-differentiable: autograd must not allocate and fill a zero gradient
+        # of its size ([S, H], the layer's largest activation) for backward to ignore
+        x, sorted_ids, offs, topk_weights, w1, w2, w3, _ = self._ffn(fused)
+        x.requires_grad_()
+        out, hidden = moe_ops.grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3)
+        self.assertFalse(hidden.requires_grad)
+        with _CountGemms() as mode, torch.profiler.profile(record_shapes=True) as prof:
+            out.backward(torch.ones_like(out))
+        self.assertGreater(mode.gemms, 0)
+        hidden_sized = [e.name for e in prof.events()
+                        if e.name in ("aten::zeros_like", "aten::zero_", "aten::fill_")
+                        and e.input_shapes and list(e.input_shapes[0]) == list(hidden.shape)]
+        self.assertEqual(hidden_sized, [])
+
     def _check_masks(self, op, args, n, mask_arg=-1, fake=True):
         full = op(*args, [True] * n)
         for bits in range(2 ** n):

@@ -120,12 +120,18 @@ def _grouped_ffn_setup(ctx, inputs, output):
     x, sorted_ids, offs, topk_weights, w1, w2, w3, activation, alpha, limit, b1, b2, b3 = inputs
     _, hidden = output
     ctx.mark_non_differentiable(hidden)
+    # `hidden` never has a gradient: without this, autograd would hand backward a zero tensor of
+    # its size ([S, 2F], the largest activation of the layer) to allocate, fill and ignore
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, b1, b2, b3)
     ctx.activation, ctx.alpha, ctx.limit = activation, alpha, limit
 
 
 @_register("grouped_ffn", _grouped_ffn_setup)
 def _grouped_ffn_backward(ctx, grad, _grad_hidden):
+    if grad is None:
+        # with grads not materialised, an output that reaches no loss has no gradient at all
+        return (None,) * 13
     x, sorted_ids, offs, topk_weights, w1, w2, w3, hidden, b1, b2, b3 = ctx.saved_tensors
     need = ctx.needs_input_grad
     # frozen experts (weights without requires_grad) skip their weight-gradient GEMMs, frozen
