@@ -272,6 +272,20 @@ class TestMoEFFN(TestCase):
             self.assertEqual(grad_h, torch.autograd.grad(ref, hr, grad)[0], atol=1e-12, rtol=1e-12,
                              msg=kind)
 
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_fused_swiglu_backward_is_autograds(self, dtype):
+        # the fused swiglu backward runs the ops autograd runs through F.silu(g) * u, so in fp32
+        # and bf16 its bits are autograd's (F a multiple of 16: ATen's vectorised loops on both)
+        g = torch.Generator().manual_seed(2)
+        F_ = 64
+        h = (torch.randn(40, 2 * F_, generator=g) * 4).to(dtype)
+        grad = torch.randn(40, F_, generator=g).to(dtype)
+        grad_h = fused_activation.activation_backward("swiglu", grad, h, torch.empty_like(h),
+                                                      1.702, 7.0)
+        gate, up = (t.clone().requires_grad_() for t in h.chunk(2, dim=1))
+        (torch.nn.functional.silu(gate) * up).backward(grad)
+        self.assertEqual(grad_h, torch.cat([gate.grad, up.grad], 1), atol=0, rtol=0)
+
 instantiate_parametrized_tests(TestMoEFFN)
 
 if __name__ == "__main__":
