@@ -357,6 +357,17 @@ BIAS_CASES = (
 )
 
 
+def _bias_pairs(cases):
+    """(bias case, routing index, case) triples: each bias case on two routings, each with one
+    of the two ``cases`` (tile config, dtype, combine order), such that every routing meets
+    both cases and both bias layouts (separate w1 / w3 and fused w13). A pairwise cover of the
+    three axes rather than their product: each kernel run is seconds under the interpreter."""
+    assert len(cases) == 2 and len(ROUTINGS) == 4
+    for i, bias_case in enumerate(BIAS_CASES):
+        for j, case in enumerate(cases):
+            yield bias_case, (i + 2 * j) % len(ROUTINGS), case
+
+
 def _biases(layout: str, names, E: int, D: int, F: int, generator) -> list:
     """[b1, b2, b3], None where not in ``names``: b1 ``[E, 2F]`` for a fused w13 (``[E, F]``
     otherwise), b2 ``[E, D]``, b3 ``[E, F]`` (a separate w3 only). Of the magnitude of the
@@ -380,20 +391,17 @@ def _check_forward_biases() -> None:
 
     cfgs = _configs()
     g = torch.Generator().manual_seed(7)
-    for kind, num_tokens, k in ROUTINGS:
-        routing = _routing(kind, num_tokens, k, E, g)
-        x = torch.randn(num_tokens, D_ODD, generator=g)
-        for activation, layout, names in BIAS_CASES:
-            args = _bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g)
-            cases = ((torch.float32, False, "small"), (torch.bfloat16, True, "wide_k"))
-            for dtype, in_order, config in cases:
-                dargs = _cast(args, dtype)
-                what = (f"forward {kind} T={num_tokens} {activation} {layout} {names} {dtype} "
-                        f"{config} det={in_order}")
-                with deterministic() if in_order else contextlib.nullcontext():
-                    _compare_forward(
-                        lambda *a: M.grouped_ffn(*a, config=cfgs[config]), dargs, what
-                    )
+    problems = [(kind, n, _routing(kind, n, k, E, g), torch.randn(n, D_ODD, generator=g))
+                for kind, n, k in ROUTINGS]
+    cases = ((torch.float32, False, "small"), (torch.bfloat16, True, "wide_k"))
+    for (activation, layout, names), j, (dtype, in_order, config) in _bias_pairs(cases):
+        kind, num_tokens, routing, x = problems[j]
+        dargs = _cast(_bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g),
+                      dtype)
+        what = (f"forward {kind} T={num_tokens} {activation} {layout} {names} {dtype} "
+                f"{config} det={in_order}")
+        with deterministic() if in_order else contextlib.nullcontext():
+            _compare_forward(lambda *a: M.grouped_ffn(*a, config=cfgs[config]), dargs, what)
     # the triton_op, default tiles
     routing = _routing("padded", T, K_TOP, E, g)
     x = torch.randn(T, D, generator=g)
@@ -410,21 +418,18 @@ def _check_backward_biases() -> None:
 
     cfgs = _configs()
     g = torch.Generator().manual_seed(8)
-    for kind, num_tokens, k in ROUTINGS:
-        routing = _routing(kind, num_tokens, k, E, g)
-        x = torch.randn(num_tokens, D_ODD, generator=g)
-        grad = torch.randn(num_tokens, D_ODD, generator=g)
-        for activation, layout, names in BIAS_CASES:
-            args = _bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g)
-            hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
-            for in_order, config in ((False, "small"), (True, "wide_k")):
-                what = (f"backward {kind} T={num_tokens} {activation} {layout} {names} "
-                        f"{config} det={in_order}")
-                with deterministic() if in_order else contextlib.nullcontext():
-                    _compare_backward(
-                        lambda *a: M.grouped_ffn_backward(*a, config=cfgs[config]),
-                        _backward_args(args, hidden, grad, FULL_MASK), what,
-                    )
+    problems = [(kind, n, _routing(kind, n, k, E, g), torch.randn(n, D_ODD, generator=g),
+                 torch.randn(n, D_ODD, generator=g)) for kind, n, k in ROUTINGS]
+    for (activation, layout, names), j, (in_order, config) in _bias_pairs(
+            ((False, "small"), (True, "wide_k"))):
+        kind, num_tokens, routing, x, grad = problems[j]
+        args = _bias_problem(routing, x, activation, layout, names, D_ODD, F_ODD, g)
+        hidden = torch.ops.torch_moe.grouped_ffn(*args)[1]
+        what = (f"backward {kind} T={num_tokens} {activation} {layout} {names} {config} "
+                f"det={in_order}")
+        with deterministic() if in_order else contextlib.nullcontext():
+            _compare_backward(lambda *a: M.grouped_ffn_backward(*a, config=cfgs[config]),
+                              _backward_args(args, hidden, grad, FULL_MASK), what)
     # the triton_op, default tiles (and the default tiles of the bias sums)
     routing = _routing("padded", T, K_TOP, E, g)
     x, grad = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
