@@ -677,6 +677,133 @@ def bench_overhead(shape: LayerShape, dtype: torch.dtype, impl: Impl, config: st
 
 
 # --------------------------------------------------------------------------
+# What the expert GEMMs alone cost: a bound on any kernel made of aten GEMMs
+# --------------------------------------------------------------------------
+
+BOUND_COLUMNS = ["shape", "dtype", "impl", "n", "median_ms", "gflops", "frac_ceiling",
+                 "layer_frac_ceiling", "note"]
+
+
+def routed_counts(moe: MoE, x_BLD: Tensor) -> list[int]:
+    """Rows per expert of the layer's own routing of ``x``."""
+    with torch.no_grad():
+        topk_ids = moe.router(x_BLD.reshape(-1, moe.config.dim))[0]
+    return torch.bincount(topk_ids.flatten(), minlength=moe.config.num_experts).tolist()
+
+
+def _dense_step_gemms(T: int, D: int, F_: int, gated: bool):
+    """fwd + bwd GEMMs of a dense FFN (the router with F_ = E, ungated; a shared expert) on T
+    rows, as closures over preallocated buffers."""
+    x, g = torch.randn(T, D), torch.randn(T, D)
+    ws = [torch.randn(D, F_) for _ in range(2 if gated else 1)]
+    w2 = torch.randn(F_, D) if gated else None
+    h, dx, dw, dw2 = torch.empty(T, F_), torch.empty(T, D), torch.empty(D, F_), torch.empty(F_, D)
+
+    def run():
+        for w in ws:  # up (and gate): forward, grad-input, grad-weight
+            torch.mm(x, w, out=h)
+            torch.mm(h, w.t(), out=dx)
+            torch.mm(x.t(), h, out=dw)
+        if w2 is not None:  # down
+            torch.mm(h, w2, out=dx)
+            torch.mm(g, w2.t(), out=h)
+            torch.mm(h.t(), g, out=dw2)
+
+    return run
+
+
+def gemm_bound_entries(shape: LayerShape, counts: list[int]) -> list[Entry]:
+    """The GEMMs of one fp32 forward + backward of the layer and nothing else, on buffers that
+    already exist (no gather, activation, combine, allocation or Python beyond the calls):
+
+    * per-group: the routed experts' GEMMs exactly as the fused CPU kernel issues them in its
+      per-group form (gate, up, down; d act, d w2, d w1, d w3, d x from w1 and w3), one ``mm``
+      per expert on its ``counts[e]`` rows;
+    * batched, no padding: the same as ``bmm`` over all experts with every expert at the mean
+      count. Routing never gives every expert the mean, so no batched form reaches it: it is
+      the most the batched form could gain.
+
+    Both add the router's and the shared experts' GEMMs, dense on T rows."""
+    c = shape.config
+    E, D, F_ = c.num_experts, c.dim, c.hidden_dim
+    assert c.gated and not c.fused_gate_up, "the bound models separate w1 / w3 experts"
+    S = sum(counts)
+    W1, W3, W2 = torch.randn(E, D, F_), torch.randn(E, D, F_), torch.randn(E, F_, D)
+    X, G = torch.randn(S, D), torch.randn(S, D)
+    h1, h3, a, dA = (torch.empty(S, F_) for _ in range(4))
+    o, dX = torch.empty(S, D), torch.empty(S, D)
+    gW1, gW3, gW2 = torch.empty(E, D, F_), torch.empty(E, D, F_), torch.empty(E, F_, D)
+    dense = [_dense_step_gemms(shape.T, D, E, gated=False)]
+    if c.num_shared_experts:
+        dense.append(_dense_step_gemms(shape.T, D, c.num_shared_experts
+                                       * (c.shared_hidden_dim or F_), gated=True))
+    bounds, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            bounds.append((e, slice(start, start + n)))
+        start += n
+
+    def per_group():
+        for e, r in bounds:
+            torch.mm(X[r], W1[e], out=h1[r])
+            torch.mm(X[r], W3[e], out=h3[r])
+            torch.mm(a[r], W2[e], out=o[r])
+        for e, r in bounds:
+            torch.mm(G[r], W2[e].t(), out=dA[r])
+            torch.mm(a[r].t(), G[r], out=gW2[e])
+            torch.mm(X[r].t(), h1[r], out=gW1[e])
+            torch.mm(X[r].t(), h3[r], out=gW3[e])
+            torch.mm(h1[r], W1[e].t(), out=dX[r])
+            dX[r].addmm_(h3[r], W3[e].t())
+        for run in dense:
+            run()
+
+    L = -(-S // E)
+    X3, G3 = torch.randn(E, L, D), torch.randn(E, L, D)
+    h13, h33, a3, dA3 = (torch.empty(E, L, F_) for _ in range(4))
+    o3, dX3 = torch.empty(E, L, D), torch.empty(E, L, D)
+
+    def batched():
+        torch.bmm(X3, W1, out=h13)
+        torch.bmm(X3, W3, out=h33)
+        torch.bmm(a3, W2, out=o3)
+        torch.bmm(G3, W2.transpose(1, 2), out=dA3)
+        torch.bmm(a3.transpose(1, 2), G3, out=gW2)
+        torch.bmm(X3.transpose(1, 2), h13, out=gW1)
+        torch.bmm(X3.transpose(1, 2), h33, out=gW3)
+        torch.bmm(h13, W1.transpose(1, 2), out=dX3)
+        dX3.baddbmm_(h33, W3.transpose(1, 2))
+        for run in dense:
+            run()
+
+    return [Entry("expert GEMMs alone, per-group mm", per_group),
+            Entry(f"expert GEMMs alone, bmm at the mean {L} rows (no padding)", batched)]
+
+
+def bench_gemm_bound(shape: LayerShape, ref: MoE, layer_rows: list[dict], args) -> list[dict]:
+    """Times :func:`gemm_bound_entries` against the dense ceiling in the same rounds."""
+    x_BLD, _ = make_inputs(shape, torch.float32)
+    counts = routed_counts(ref, x_BLD)
+    c = shape.config
+    gemm_shape = MoEShape(shape.name, shape.T, c.dim, c.hidden_dim, c.num_experts, c.top_k)
+    ceiling = gemm_entry("dense mm fp32", gemm_shape, torch.float32, "b")
+    entries = gemm_bound_entries(shape, counts)
+    interleaved(entries + [ceiling], args.reps, args.warmup)
+    flops = shape.flops("fwd+bwd")
+    ceiling_s = flops / (shape.routed_gemm_flops / ceiling.median)
+    layer = next((r for r in layer_rows if r["shape"] == shape.name and r["dtype"] == "fp32"
+                  and r["mode"] == "fwd+bwd" and r["impl"] == TORCH_MOE), {})
+    nonzero = [n for n in counts if n]
+    note = (f"rows per expert {min(nonzero)}..{max(nonzero)}, mean {sum(counts) / len(counts):.0f}"
+            if nonzero else "no rows")
+    return [dict(section="bound", shape=shape.name, dtype="fp32", impl=e.name, n=len(e.times),
+                 median_ms=f"{e.median * 1e3:.1f}", gflops=f"{flops / e.median / 1e9:.0f}",
+                 frac_ceiling=f"{ceiling_s / e.median:.2f}",
+                 layer_frac_ceiling=layer.get("frac_ceiling", ""), note=note)
+            for e in entries]
+
+
+# --------------------------------------------------------------------------
 # Correctness
 # --------------------------------------------------------------------------
 
@@ -857,7 +984,7 @@ def main(argv=None) -> int:
     print("frac_ceiling = ceiling time / time; vs_torch_moe = time / torch_moe's time "
           "(> 1: torch_moe is faster)\n")
 
-    layer_rows, saved_rows, overhead_rows = [], [], []
+    layer_rows, saved_rows, overhead_rows, bound_rows = [], [], [], []
     for shape in shapes:
         ref = reference_moe(shape)
         for dtype in sorted(dtypes, key=lambda d: d != torch.float32):  # fp32 first
@@ -876,6 +1003,8 @@ def main(argv=None) -> int:
             saved_rows += bench_saved(shape, dtype, impls, args)
             overhead_rows += [bench_overhead(shape, dtype, impls[0], config)
                               for config in PROFILE_CONFIGS]
+            if dtype == torch.float32 and ref.config.gated and not ref.config.fused_gate_up:
+                bound_rows += bench_gemm_bound(shape, ref, cell, args)
             print(f"   [{time.perf_counter() - start:.0f} s elapsed]", flush=True)
             del impls, x_BLD, grad_BLD
 
@@ -891,7 +1020,13 @@ def main(argv=None) -> int:
               "(torch_moe::grouped_ffn + grouped_ffn_backward: gather, expert GEMMs, activation, "
               "weighted scatter) and in GEMM ops of any kind")
         print(format_table(overhead_rows, OVERHEAD_COLUMNS))
-    rows += layer_rows + saved_rows + overhead_rows
+    if bound_rows:
+        print("\n== fp32 fwd+bwd: the GEMMs of a step alone (routed experts on the layer's own "
+              "routing, router, shared experts), on existing buffers, against the dense ceiling "
+              "in the same rounds: no kernel built of these aten GEMMs, whatever it fuses around "
+              "them, gets above this frac_ceiling; layer_frac_ceiling is torch_moe's whole layer")
+        print(format_table(bound_rows, BOUND_COLUMNS))
+    rows += layer_rows + saved_rows + overhead_rows + bound_rows
     if args.sweep:
         rows += run_sweep([int(t) for t in args.sweep_ts.split(",")], has_titan, forms,
                           native_rates, args, start)
