@@ -361,6 +361,34 @@ permute_backward_num_tokens: torch_moe.permute_backward: expected num_tokens <= 
 indexed_grouped_mm_num_out_rows: torch_moe.indexed_grouped_mm: expected num_out_rows <= 576460752303423487 (an output of num_out_rows x 2 elements of 8 bytes must be addressable), but got 4611686018427387904""")
 
 
+class TestCheck(TestCase):
+    """``_checks.check``, through which the op checks run: torch._check's result, without its
+    cost when the condition holds."""
+
+    def test_raises_like_torch_check(self):
+        from torch_moe import _checks
+
+        with self.assertRaisesRegex(RuntimeError, "^op: expected x, but got y$"):
+            _checks.check(False, lambda: "op: expected x, but got y")
+
+    def test_true_costs_no_torch_check(self):
+        from unittest import mock
+
+        from torch_moe import _checks
+
+        never = mock.Mock(side_effect=AssertionError("message built for a check that holds"))
+        with mock.patch.object(torch, "_check", wraps=torch._check) as spy:
+            _checks.check(True, never)
+            self.assertEqual(spy.call_count, 0)
+            # a SymBool (a guard on a traced size) is torch's to record
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            size = ShapeEnv().create_unbacked_symint()
+            _checks.check(size >= 0, lambda: "unused")
+            self.assertEqual(spy.call_count, 1)
+        never.assert_not_called()
+
+
 class TestNoRows(TestCase):
     """Valid calls with nothing to read (no tokens, only padding slots) give zeros."""
 

@@ -13,12 +13,23 @@ import torch
 MAX_EXPERTS = 2**31 - 1
 MAX_SLOTS = 2**31 - 1
 
+
+def check(cond, message) -> None:
+    """``torch._check(cond, message)``, skipped when ``cond`` is the plain ``True`` of an eager
+    call: ``torch._check`` sends every condition through the symbolic-shapes machinery, about
+    2 us each, and one call of a fused op makes some fifty checks, a fixed cost that small
+    (decode) steps pay on every layer. A ``SymBool`` (tracing with dynamic shapes) or ``False``
+    goes to ``torch._check``, which records the guard or raises with ``message``."""
+    if cond is not True:
+        torch._check(cond, message)
+
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_float(op: str, name: str, t: torch.Tensor) -> None:
-    torch._check(
+    check(
         t.dtype in FLOAT_DTYPES,
         lambda: f"{op}: expected {name} to be bfloat16, float16, float32 or float64, "
         f"but got {t.dtype}",
@@ -27,13 +38,13 @@ def check_float(op: str, name: str, t: torch.Tensor) -> None:
 
 def check_index(op: str, name: str, t: torch.Tensor, dtypes=INDEX_DTYPES) -> None:
     names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-    torch._check(
+    check(
         t.dtype in dtypes, lambda: f"{op}: expected {name} to be {names}, but got {t.dtype}"
     )
 
 
 def check_dim(op: str, name: str, t: torch.Tensor, dim: int) -> None:
-    torch._check(
+    check(
         t.dim() == dim,
         lambda: f"{op}: expected {name} to be {dim}-D, but got {t.dim()}-D tensor of shape "
         f"{tuple(t.shape)}",
@@ -44,7 +55,7 @@ def check_same_dtype(op: str, tensors: dict) -> None:
     items = [(n, t) for n, t in tensors.items() if t is not None]
     first_name, first = items[0]
     for name, t in items[1:]:
-        torch._check(
+        check(
             t.dtype == first.dtype,
             lambda: f"{op}: expected {name} to have the dtype of {first_name} ({first.dtype}), "
             f"but got {t.dtype}",
@@ -55,7 +66,7 @@ def check_same_device(op: str, tensors: dict) -> None:
     items = [(n, t) for n, t in tensors.items() if t is not None]
     first_name, first = items[0]
     for name, t in items[1:]:
-        torch._check(
+        check(
             t.device == first.device,
             lambda: f"{op}: expected all tensors on one device, but {first_name} is on "
             f"{first.device} and {name} is on {t.device}",
@@ -63,7 +74,7 @@ def check_same_device(op: str, tensors: dict) -> None:
 
 
 def check_size(op: str, name: str, t: torch.Tensor, dim: int, expected, what: str) -> None:
-    torch._check(
+    check(
         t.size(dim) == expected,
         lambda: f"{op}: expected {name}.size({dim}) == {what} ({expected}), "
         f"but got {t.size(dim)}",
@@ -71,7 +82,7 @@ def check_size(op: str, name: str, t: torch.Tensor, dim: int, expected, what: st
 
 
 def check_same_shape(op: str, name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
-    torch._check(
+    check(
         t.shape == like.shape,
         lambda: f"{op}: expected {name} to have the shape of {like_name} {tuple(like.shape)}, "
         f"but got {tuple(t.shape)}",
@@ -79,7 +90,7 @@ def check_same_shape(op: str, name: str, t: torch.Tensor, like_name: str, like: 
 
 
 def check_output_mask(op: str, output_mask, outputs: tuple) -> None:
-    torch._check(
+    check(
         len(output_mask) == len(outputs),
         lambda: f"{op}: expected output_mask of length {len(outputs)} (one flag for each of "
         f"{', '.join(outputs)}), but got length {len(output_mask)}",
@@ -93,9 +104,9 @@ _MAX_BYTES = 2**63 - 1
 
 def check_num_rows(op: str, name: str, rows, cols, itemsize: int) -> None:
     """``rows`` (a size argument) is >= 0 and a [rows, cols] output is addressable."""
-    torch._check(rows >= 0, lambda: f"{op}: expected {name} >= 0, but got {rows}")
+    check(rows >= 0, lambda: f"{op}: expected {name} >= 0, but got {rows}")
     limit = _MAX_BYTES // (max(cols, 1) * itemsize)
-    torch._check(
+    check(
         rows <= limit,
         lambda: f"{op}: expected {name} <= {limit} (an output of {name} x {cols} elements of "
         f"{itemsize} bytes must be addressable), but got {rows}",
@@ -121,22 +132,22 @@ def check_token_sort(topk_ids: torch.Tensor, num_experts: int, align: int) -> No
     op = "torch_moe.token_sort"
     check_dim(op, "topk_ids", topk_ids, 2)
     check_index(op, "topk_ids", topk_ids)
-    torch._check(
+    check(
         1 <= num_experts <= MAX_EXPERTS,
         lambda: f"{op}: expected num_experts in [1, {MAX_EXPERTS}], but got {num_experts}",
     )
-    torch._check(
+    check(
         1 <= align <= MAX_SLOTS,
         lambda: f"{op}: expected align in [1, {MAX_SLOTS}], but got {align}",
     )
     k = topk_ids.size(1)
-    torch._check(
+    check(
         k <= num_experts,
         lambda: f"{op}: expected top-k ({k}) <= num_experts ({num_experts}): a token cannot "
         "pick the same expert twice",
     )
     S = token_sort_num_slots(topk_ids.numel(), num_experts, align)
-    torch._check(
+    check(
         S <= MAX_SLOTS,
         lambda: f"{op}: expected the number of sorted slots T * k + num_experts * (align - 1) "
         f"<= {MAX_SLOTS} (offs is int32), but got {S} (num_experts={num_experts}, "
@@ -154,14 +165,14 @@ def check_permute(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int) -> None
     check_dim(op, "x", x, 2)
     check_sorted_ids(op, sorted_ids)
     check_same_device(op, {"x": x, "sorted_ids": sorted_ids})
-    torch._check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
+    check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
 
 
 def check_permute_out(x, sorted_ids, top_k, out) -> None:
     check_permute(x, sorted_ids, top_k)
     op = "torch_moe.permute.out"
     expected = (sorted_ids.size(0), x.size(1))
-    torch._check(
+    check(
         out.shape == expected and out.dtype == x.dtype,
         lambda: f"{op}: expected out of shape {expected} and dtype {x.dtype}, "
         f"but got {tuple(out.shape)} and {out.dtype}",
@@ -176,7 +187,7 @@ def check_permute_backward(grad, sorted_ids, top_k, num_tokens) -> None:
     check_sorted_ids(op, sorted_ids)
     check_same_device(op, {"grad": grad, "sorted_ids": sorted_ids})
     check_size(op, "grad", grad, 0, sorted_ids.size(0), "sorted_ids.size(0)")
-    torch._check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
+    check(top_k >= 1, lambda: f"{op}: expected top_k >= 1, but got {top_k}")
     check_num_rows(op, "num_tokens", num_tokens, grad.size(1), grad.dtype.itemsize)
 
 
@@ -208,12 +219,12 @@ def check_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> No
     check_offs(op, offs)
     check_same_device(op, {"self": a, "mat2": b, "offs": offs})
     layout = (a.dim(), b.dim())
-    torch._check(
+    check(
         layout in ((2, 3), (3, 2), (2, 2)),
         lambda: f"{op}: expected (self, mat2) to be 2-D x 3-D, 3-D x 2-D or 2-D x 2-D, but got "
         f"{a.dim()}-D x {b.dim()}-D (use torch.bmm for 3-D x 3-D)",
     )
-    torch._check(
+    check(
         a.size(-1) == b.size(-2),
         lambda: f"{op}: contraction dims differ: self.size(-1) is {a.size(-1)}, "
         f"mat2.size(-2) is {b.size(-2)}",
@@ -258,7 +269,7 @@ def check_indexed_grouped_mm(
         check_dim(op, "scatter_index", scatter_index, 1)
         check_index(op, "scatter_index", scatter_index, (torch.int64,))
         check_size(op, "scatter_index", scatter_index, 0, num_slots, "the number of sorted slots")
-        torch._check(
+        check(
             num_out_rows >= 0,
             lambda: f"{op}: expected num_out_rows >= 0 when scatter_index is given, "
             f"but got {num_out_rows}",
@@ -266,7 +277,7 @@ def check_indexed_grouped_mm(
         # the output is accumulated in fp32 (fp64 for fp64 inputs)
         check_num_rows(op, "num_out_rows", num_out_rows, weight.size(2), 8)
     else:
-        torch._check(
+        check(
             num_out_rows == -1,
             lambda: f"{op}: num_out_rows ({num_out_rows}) is only meaningful with scatter_index",
         )
@@ -306,7 +317,7 @@ GROUPED_FFN_GRADIENTS = ("grad_x", "grad_topk_weights", "grad_w1", "grad_w2", "g
 def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
                       op: str = "torch_moe.grouped_ffn", *, b1=None, b2=None, b3=None):
     """Returns (E, F): the number of experts and the FFN dim."""
-    torch._check(
+    check(
         activation in ACTIVATIONS,
         lambda: f"{op}: expected activation to be one of {ACTIVATIONS}, but got {activation!r}",
     )
@@ -333,9 +344,9 @@ def check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
     F = w2.size(1)
     gated = activation in GATED_ACTIVATIONS
     if w3 is not None:
-        torch._check(gated, lambda: f"{op}: w3 is only used by gated activations, not {activation!r}")
+        check(gated, lambda: f"{op}: w3 is only used by gated activations, not {activation!r}")
         check_dim(op, "w3", w3, 3)
-        torch._check(
+        check(
             w3.shape == w1.shape,
             lambda: f"{op}: expected w3 to have the shape of w1 {tuple(w1.shape)}, "
             f"but got {tuple(w3.shape)}",
@@ -354,7 +365,7 @@ def check_ffn_biases(op: str, w1, w3, b1, b2, b3, E: int, F: int, D: int, gated:
     b3 ``[E, F]`` (with a separate w3 only), b2 ``[E, D]``, each in the dtype and on the device
     of the weights; any strides."""
     fused = gated and w3 is None
-    torch._check(
+    check(
         b3 is None or w3 is not None,
         lambda: f"{op}: b3 is the bias of the up projection w3, but w3 is None"
         + (" (the bias of a fused gate/up weight is b1 [E, 2F])" if fused else ""),
@@ -367,7 +378,7 @@ def check_ffn_biases(op: str, w1, w3, b1, b2, b3, E: int, F: int, D: int, gated:
             continue
         shape, dims = expected[name]
         check_dim(op, name, b, 2)
-        torch._check(
+        check(
             tuple(b.shape) == shape,
             lambda: f"{op}: expected {name} of shape {dims} = {shape}, but got {tuple(b.shape)}",
         )

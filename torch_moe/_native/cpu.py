@@ -57,7 +57,7 @@ def _group_bounds(op: str, offs: torch.Tensor, limit: int, what: str):
     bounds = []
     start = 0
     for g, end in enumerate(ends):
-        torch._check(
+        _checks.check(
             end >= start,
             lambda: f"{op}: expected offs to be non-decreasing and non-negative, but offs[{g}] = "
             f"{end} < {'offs[' + str(g - 1) + '] = ' if g else ''}{start}",
@@ -65,7 +65,7 @@ def _group_bounds(op: str, offs: torch.Tensor, limit: int, what: str):
         if end > start:
             bounds.append((g, start, end))
         start = end
-    torch._check(
+    _checks.check(
         start <= limit,
         lambda: f"{op}: expected offs[-1] <= {what} ({limit}), but got offs[-1] = {start}",
     )
@@ -79,7 +79,7 @@ def _check_index_range(op: str, name: str, index: torch.Tensor, high: int, allow
     lo, hi = torch.aminmax(index)
     lo, hi = int(lo), int(hi)
     low_ok = lo >= (-1 if allow_pad else 0)
-    torch._check(
+    _checks.check(
         low_ok and hi < high,
         lambda: f"{op}: expected {name} values in [{-1 if allow_pad else 0}, {high})"
         f"{' (-1 marks padding)' if allow_pad else ''}, but got values in [{lo}, {hi}]",
@@ -107,7 +107,7 @@ def _check_unique_assignments(op: str, sorted_ids: torch.Tensor, num_assignments
         ids, counts = torch.unique_consecutive(ids[ids >= 0], return_counts=True)
         most, i = (int(v) for v in torch.max(counts, 0))
         assignment = int(ids[i])
-    torch._check(
+    _checks.check(
         most <= 1,
         lambda: f"{op}: expected each assignment t * k + j at most once in sorted_ids, but "
         f"assignment {assignment} appears {most} times",
