@@ -10,6 +10,7 @@ real row reaching no other group, errors. Then the autotuning itself, with fresh
 """
 
 import contextlib
+import copy
 import re
 
 import torch
@@ -22,7 +23,10 @@ from torch.testing import FileCheck
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize
 
 import torch_moe  # noqa: F401
-from torch_moe._inductor import padded_bmm
+import torch_moe.cpu
+import torch_moe.nn
+from torch_moe._inductor import ffn_forms, padded_bmm
+from torch_moe._native import _expert_blocks as expert_blocks
 from torch_moe._inductor.padded_bmm import grouped_mm_padded_bmm
 
 ops = torch.ops.torch_moe
@@ -219,8 +223,162 @@ class TestGroupedMMChoices(TestCase):
         self.assertEqual(self.benchmarked, [])
 
 
+FFN_FORMS = ("per_group", "batched")
+
+
+def ffn_problem(T=40, k=2, E=6, D=32, F=16, layout="separate", biases=False, seed=0):
+    """Arguments of grouped_ffn: a random top-k routing with an empty expert (the last)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
+    sorted_ids, offs, _ = ops.token_sort(ids, E, 1)
+    x, tw = torch.randn(T, D, generator=g), torch.rand(T, k, generator=g)
+    F1 = 2 * F if layout == "fused" else F
+    w1 = torch.randn(E, D, F1, generator=g) / D**0.5
+    w2 = torch.randn(E, F, D, generator=g) / F**0.5
+    w3 = torch.randn(E, D, F, generator=g) / D**0.5 if layout == "separate" else None
+    activation = "relu" if layout == "plain" else "swiglu"
+    kwargs = {}
+    if biases:
+        kwargs = dict(b1=torch.randn(E, F1, generator=g), b2=torch.randn(E, D, generator=g))
+        if w3 is not None:
+            kwargs["b3"] = torch.randn(E, F, generator=g)
+    return (x, sorted_ids, offs, tw, w1, w2, w3, activation), kwargs
+
+
+@contextlib.contextmanager
+def kernel_forms():
+    """The expert GEMM form each call of the fused CPU kernel made by an Inductor choice ran in
+    (the thread's form when the kernel starts)."""
+    forms = []
+    real = ffn_forms.native_cpu.grouped_ffn
+
+    def spy(*args, **kwargs):
+        forms.append(expert_blocks.get_form())
+        return real(*args, **kwargs)
+
+    ffn_forms.native_cpu.grouped_ffn = spy
+    try:
+        yield forms
+    finally:
+        ffn_forms.native_cpu.grouped_ffn = real
+
+
+class TestGroupedFFNChoices(TestCase):
+    """grouped_ffn on CPU under max-autotune: the fused kernel in each expert GEMM form, one
+    buffer holding both outputs."""
+
+    def setUp(self):
+        super().setUp()
+        counters.clear()
+        torch._dynamo.reset()
+        self.benchmarked = []
+        select_algorithm.add_feedback_saver(
+            lambda timings, name, *rest: self.benchmarked.append(
+                (name, sorted(c.name for c in timings))))
+
+    def tearDown(self):
+        select_algorithm.clear_feedback_savers()
+        super().tearDown()
+
+    @parametrize("form", FFN_FORMS)
+    @parametrize("layout", ["separate", "fused", "plain"])
+    def test_each_choice_forced(self, form, layout):
+        # compiled == eager in that form, bit for bit, both outputs (views of one buffer), with
+        # and without biases; a consumer of each output
+        for biases in (False, True):
+            torch._dynamo.reset()
+            args, kwargs = ffn_problem(layout=layout, biases=biases, seed=int(biases))
+
+            def f(*a):
+                out, hidden = ops.grouped_ffn(*a, **kwargs)
+                return out * 2, hidden + 1
+
+            with config.patch({"max_autotune": True, "test_configs.autotune_choice_name_regex":
+                               f"^torch_moe_grouped_ffn_{form}"}):
+                compiled = torch.compile(f)
+                _, (code,) = run_and_get_code(compiled, *args)
+            FileCheck().check(f"extern_kernels.torch_moe_grouped_ffn_{form}").run(code)
+            # the kernel runs in its form whatever the process's
+            with torch_moe.cpu.expert_form("batched" if form == "per_group" else "per_group"):
+                with kernel_forms() as forms:
+                    got = compiled(*args)
+            self.assertEqual(forms, [form])
+            with torch_moe.cpu.expert_form(form):
+                want = f(*args)
+            for g, w in zip(got, want):
+                self.assertEqual(g, w, atol=0, rtol=0)
+
+    def test_max_autotune_benchmarks_both_forms(self):
+        args, _ = ffn_problem(T=48, k=2, E=6)
+        seen = []
+        real = ffn_forms.native_cpu.grouped_ffn
+
+        def record(x, sorted_ids, offs, *rest, **kwargs):
+            seen.append((sorted_ids.tolist(), offs.tolist()))
+            return real(x, sorted_ids, offs, *rest, **kwargs)
+
+        ffn_forms.native_cpu.grouped_ffn = record
+        try:
+            (out, hidden), (code,) = run_and_get_code(
+                torch.compile(ops.grouped_ffn, mode="max-autotune"), *args)
+        finally:
+            ffn_forms.native_cpu.grouped_ffn = real
+        names = sorted(f"torch_moe_grouped_ffn_{form}_w3" for form in FFN_FORMS)
+        self.assertEqual(self.benchmarked, [("torch_moe_grouped_ffn", names)])
+        # benchmarked on a valid routing of balanced groups (Inductor's own integer inputs are
+        # zeros): slot i holds assignment i, 96 slots in groups of 16
+        self.assertIn((list(range(96)), [16, 32, 48, 64, 80, 96]), seen)
+        self.assertEqual(len(re.findall(r"extern_kernels\.torch_moe_grouped_ffn_\w+\(", code)), 1)
+        self.assertEqual(out, ops.grouped_ffn(*args)[0])
+        self.assertEqual(hidden, ops.grouped_ffn(*args)[1])
+
+    def test_max_autotune_dynamic_tokens(self):
+        # symbolic T and S: the outputs' offsets in the buffer follow them; one benchmark
+        f = torch.compile(ops.grouped_ffn, mode="max-autotune", dynamic=True)
+        for T in (40, 52):
+            args, _ = ffn_problem(T=T, seed=T)
+            with torch_moe.cpu.expert_form("per_group"):
+                want = ops.grouped_ffn(*args)
+            got = f(*args)
+            self.assertEqual(got[0], want[0])
+            self.assertEqual(got[1], want[1])
+        self.assertEqual(len(self.benchmarked), 1)
+
+    def test_training_step_forced_per_group(self):
+        # a compiled MoE layer's forward + backward: the forward's buffer-backed `hidden` is
+        # what the backward reads. Against eager to fp32 rounding, not bit for bit: Inductor
+        # fuses the routing (softmax, top-k, renormalisation) and rounds it its own way
+        cfg = torch_moe.nn.MoEConfig(dim=32, hidden_dim=16, num_experts=6, top_k=2)
+        torch.manual_seed(0)
+        moe = torch_moe.nn.MoE(cfg)
+        ref = copy.deepcopy(moe)
+        x = torch.randn(2, 20, 32)
+        # every choice but the batched form's (the router's GEMMs autotune too)
+        with config.patch({"max_autotune": True, "test_configs.autotune_choice_name_regex":
+                           "^(?!torch_moe_grouped_ffn_batched)"}):
+            y = torch.compile(moe)(x)
+            y.square().sum().backward()
+        with torch_moe.cpu.expert_form("per_group"):
+            y_ref = ref(x)
+            y_ref.square().sum().backward()
+        self.assertEqual(y, y_ref)
+        for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+            self.assertEqual(p.grad, q.grad, msg=name)
+        self.assertGreaterEqual(counters["torch_moe"]["grouped_ffn_lowering"], 1)
+
+    def test_no_autotuning_without_max_autotune(self):
+        args, _ = ffn_problem(seed=5)
+        (out, hidden), (code,) = run_and_get_code(torch.compile(ops.grouped_ffn), *args)
+        FileCheck().check("torch.ops.torch_moe.grouped_ffn.default(").check_not(
+            "torch_moe_grouped_ffn_").run(code)
+        self.assertEqual(out, ops.grouped_ffn(*args)[0], atol=0, rtol=0)
+        self.assertEqual(self.benchmarked, [])
+        self.assertEqual(counters["torch_moe"]["grouped_ffn_lowering"], 1)
+
+
 instantiate_parametrized_tests(TestPaddedBmmKernel)
 instantiate_parametrized_tests(TestGroupedMMChoices)
+instantiate_parametrized_tests(TestGroupedFFNChoices)
 
 if __name__ == "__main__":
     run_tests()

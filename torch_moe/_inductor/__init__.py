@@ -1,10 +1,11 @@
 """Inductor support for the torch_moe ops (counterpart of ``torch/_inductor/``).
 
-* ``lowering.py``: lowerings of the grouped GEMMs. Under ``mode="max-autotune"`` on CPU,
-  ``grouped_mm`` of ``[M, K] x [G, K, N]`` lets ``autotune_select_algorithm`` pick between two
-  extern kernels, one GEMM per group and one padded ``bmm`` over all groups
-  (``padded_bmm.py``); every other call is one extern call of the op's kernel, with no
-  autotuning and no template;
+* ``lowering.py``: lowerings of the grouped GEMMs and of the fused expert FFN. Under
+  ``mode="max-autotune"`` on CPU, ``grouped_mm`` of ``[M, K] x [G, K, N]`` lets
+  ``autotune_select_algorithm`` pick between two extern kernels, one GEMM per group and one
+  padded ``bmm`` over all groups (``padded_bmm.py``), and ``grouped_ffn`` between its kernel's
+  per-group and batched expert GEMM forms (``ffn_forms.py``); every other call is one extern
+  call of the op's kernel, with no autotuning and no template;
 * ``decomposition.py``: decompositions of the routing, permutation and quantize ops into ATen
   ops that Inductor fuses (e.g. the routing softmax, top-k and expert histogram in one C++
   kernel; the activation and the MXFP8 quantizer of the next GEMM in one).

@@ -31,6 +31,8 @@ __all__ = [
     "max_autotune_enabled",
     "size_hint",
     "counters",
+    "fallback_handler",
+    "strided_view",
 ]
 
 # The module whose import makes Inductor read its lowering and decomposition tables: torch_moe
@@ -152,3 +154,19 @@ def counters():
     from torch._dynamo.utils import counters as dynamo_counters
 
     return dynamo_counters
+
+
+def fallback_handler(op: torch._ops.OpOverload) -> Callable:
+    """What Inductor lowers an op without a lowering to, one extern call of the op's kernel,
+    for a lowering that takes some calls itself and leaves the others to it."""
+    from torch._inductor.lowering import fallback_handler as handler
+
+    return handler(op, add_to_fallback_set=False)
+
+
+def strided_view(node, size: Sequence, stride: Sequence, offset):
+    """A view of the realised buffer ``node`` of ``size`` and ``stride`` at element ``offset``
+    of its storage (what ``aten.as_strided`` lowers to: no copy)."""
+    from torch._inductor.lowering import lowerings
+
+    return lowerings[torch.ops.aten.as_strided.default](node, size, stride, offset)

@@ -11,6 +11,12 @@ Each lowering realises its inputs and builds the output layout the fake kernel p
   faster when the groups are many and small. They are benchmarked on groups of equal size
   (``offs`` split the rows evenly; random ``offs`` would be invalid, and all-zero ones, what
   Inductor makes for integer inputs, leave every group empty).
+* ``grouped_ffn`` on CPU under ``mode="max-autotune"``: the fused kernel in its two expert GEMM
+  forms (``extern_kernels.torch_moe_grouped_ffn_per_group...`` and ``..._batched...``,
+  :mod:`torch_moe._inductor.ffn_forms`), benchmarked on a routing of balanced groups. A choice
+  has one output: each returns one buffer holding ``out`` and ``hidden``, which the lowering
+  views as the op's two outputs. ``grouped_ffn_backward`` (eight outputs of mixed dtypes) stays
+  one extern call, in the form ``torch_moe.cpu.set_expert_form`` chose;
 * every other case (the other layouts, the other devices, no max-autotune) and
   ``indexed_grouped_mm``: one extern call of the op's kernel, with no autotuning.
 
@@ -26,7 +32,9 @@ import itertools
 
 import torch
 
+from torch_moe import _checks
 from torch_moe._inductor import _compat as inductor
+from torch_moe._inductor import ffn_forms
 from torch_moe._inductor.padded_bmm import grouped_mm_padded_bmm
 
 ops = torch.ops.torch_moe
@@ -121,6 +129,55 @@ def lower_indexed_grouped_mm(input, weight, offs, gather_index=None, scatter_ind
     inductor.counters()["torch_moe"]["indexed_grouped_mm_lowering"] += 1
     return inductor.extern_kernel_node(_indexed_externs[present], nodes, layout,
                                        num_out_rows=num_out_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_ffn: the two expert GEMM forms of the fused CPU kernel
+# ---------------------------------------------------------------------------------------------
+
+_grouped_ffn_fallback = inductor.fallback_handler(ops.grouped_ffn.default)
+
+_ffn_externs = {
+    (form, present): inductor.extern_kernel_choice(
+        ffn_forms.flat_kernel(form, present), ffn_forms.kernel_name(form, present),
+        ops.grouped_ffn.default,
+    )
+    for form in ffn_forms.FORMS
+    for present in itertools.product((False, True), repeat=len(ffn_forms.OPTIONAL))
+}
+
+
+@inductor.register_lowering(ops.grouped_ffn.default)
+def tuned_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
+                      alpha=1.702, limit=7.0, b1=None, b2=None, b3=None):
+    inductor.counters()["torch_moe"]["grouped_ffn_lowering"] += 1
+    if not (x.get_device().type == "cpu" and inductor.max_autotune_enabled()):
+        return _grouped_ffn_fallback(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
+                                     alpha, limit, b1, b2, b3)
+    optional = [w3, b1, b2, b3]
+    present = tuple(t is not None for t in optional)
+    nodes = inductor.realize_inputs(x, sorted_ids, offs, topk_weights, w1, w2,
+                                    *[t for t in optional if t is not None])
+    T, D = x.get_size()
+    S = sorted_ids.get_size()[0]
+    H = w2.get_size()[1] * (2 if activation in _checks.GATED_ACTIVATIONS else 1)
+    layout = inductor.fixed_layout(x, [T * D + S * H])
+    hint = inductor.size_hint
+    num_assignments = hint(topk_weights.get_size()[0]) * hint(topk_weights.get_size()[1])
+    input_gen_fns = {
+        1: lambda node: ffn_forms.balanced_sorted_ids(
+            hint(node.get_size()[0]), num_assignments, node.get_dtype(), node.get_device()),
+        2: lambda node: ffn_forms.balanced_offs(
+            hint(S), hint(node.get_size()[0]), node.get_dtype(), node.get_device()),
+    }
+    kwargs = dict(activation=activation, alpha=alpha, limit=limit)
+    choices = [_ffn_externs[(form, present)].bind(nodes, layout, **kwargs)
+               for form in ffn_forms.FORMS]
+    flat = inductor.autotune_select_algorithm("torch_moe_grouped_ffn", choices, nodes, layout,
+                                              input_gen_fns=input_gen_fns)
+    out = inductor.strided_view(flat, [T, D], [D, 1], 0)
+    hidden = inductor.strided_view(flat, [S, H], [H, 1], T * D)
+    return out, hidden
 
 
 # ---------------------------------------------------------------------------------------------

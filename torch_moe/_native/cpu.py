@@ -613,7 +613,10 @@ def _up_projection(blk, X, w1, w3, b1, b3, h, F, bufs, cdt):
 
 
 def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
-                alpha=1.702, limit=7.0, b1=None, b2=None, b3=None):
+                alpha=1.702, limit=7.0, b1=None, b2=None, b3=None, *, out=None, hidden=None):
+    """The op's CPU kernel. ``out [T, D]`` and ``hidden [S, H]`` (contiguous, x's dtype;
+    both or neither): storage to write the outputs into instead of allocating them (an Inductor
+    choice returns them as views of one buffer)."""
     op = "torch_moe.grouped_ffn"
     _, F = _checks.check_grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, activation,
                                      b1=b1, b2=b2, b3=b3)
@@ -629,9 +632,12 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
     W3 = _ExpertWeight(w3, cdt, bufs, "w3") if w3 is not None else None
     W2 = _ExpertWeight(w2, cdt, bufs, "w2")
     x_c = _gemm_operand(x, cdt)
-    hidden = x.new_empty((S, H))
+    if hidden is None:
+        hidden = x.new_empty((S, H))
     hidden[last:].zero_()
-    out_acc = torch.zeros((x.size(0), D), dtype=accumulate_dtype(x.dtype), device=x.device)
+    acc = accumulate_dtype(x.dtype)
+    out_acc = (out.zero_() if out is not None and acc == x.dtype else
+               torch.zeros((x.size(0), D), dtype=acc, device=x.device))
     for blk in blocks:
         bs, be, n = blk.start, blk.end, blk.num_rows
         r = rows[bs:be]
@@ -657,7 +663,10 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
         o.mul_(weight[bs:be].unsqueeze(1))
         _zero_rows_(o, pad_b)
         _index_add_rows_(out_acc, r, o)
-    out = out_acc if out_acc.dtype == x.dtype else out_acc.to(x.dtype)
+    if out is None:
+        out = out_acc if out_acc.dtype == x.dtype else out_acc.to(x.dtype)
+    elif out_acc is not out:
+        out.copy_(out_acc)
     return out, hidden
 
 
