@@ -7,6 +7,12 @@ eager and forced under ``torch.compile``: values, rows past ``offs[-1]`` exactly
 real row reaching no other group, errors. Then the autotuning itself, with fresh Inductor caches
 (``torch._inductor.test_case.TestCase``): both choices benchmarked under max-autotune, on valid
 ``offs``, and none for the other layouts or without max-autotune.
+
+``grouped_ffn`` under max-autotune: the fused kernel in its per-group and batched expert GEMM
+forms, each returning one buffer that the lowering views as ``out`` and ``hidden``: each form
+forced (compiled == eager in that form, bit for bit, the kernel in its form whatever the
+process's), both benchmarked on a valid balanced routing, symbolic token counts, a compiled
+training step, and no autotuning without max-autotune.
 """
 
 import contextlib
