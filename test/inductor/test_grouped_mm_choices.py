@@ -148,7 +148,10 @@ class TestPaddedBmmKernel(TestCase):
             grouped_mm_padded_bmm(a, b, torch.tensor([2, 5], dtype=torch.int32))
 
 
-class TestGroupedMMChoices(TestCase):
+class _AutotuneTestCase(TestCase):
+    """Fresh counters and Dynamo state per test; ``self.benchmarked`` lists each autotuned
+    selection as ``(name, sorted choice names)``."""
+
     def setUp(self):
         super().setUp()
         counters.clear()
@@ -162,6 +165,8 @@ class TestGroupedMMChoices(TestCase):
         select_algorithm.clear_feedback_savers()
         super().tearDown()
 
+
+class TestGroupedMMChoices(_AutotuneTestCase):
     @parametrize("choice", [PER_GROUP, PADDED_BMM])
     def test_each_choice_forced(self, choice):
         # NaN in a row of group 0 and past offs[-1]; an empty group; compiled == eager
@@ -269,22 +274,9 @@ def kernel_forms():
         ffn_forms.native_cpu.grouped_ffn = real
 
 
-class TestGroupedFFNChoices(TestCase):
+class TestGroupedFFNChoices(_AutotuneTestCase):
     """grouped_ffn on CPU under max-autotune: the fused kernel in each expert GEMM form, one
     buffer holding both outputs."""
-
-    def setUp(self):
-        super().setUp()
-        counters.clear()
-        torch._dynamo.reset()
-        self.benchmarked = []
-        select_algorithm.add_feedback_saver(
-            lambda timings, name, *rest: self.benchmarked.append(
-                (name, sorted(c.name for c in timings))))
-
-    def tearDown(self):
-        select_algorithm.clear_feedback_savers()
-        super().tearDown()
 
     @parametrize("form", FFN_FORMS)
     @parametrize("layout", ["separate", "fused", "plain"])
