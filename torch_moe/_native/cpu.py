@@ -21,7 +21,7 @@ import torch
 from torch_moe import _checks
 from torch_moe._native._cpu_features import accumulate_dtype, gemm_compute_dtype
 from torch_moe._native import grad_storage
-from torch_moe._native._expert_blocks import plan_blocks
+from torch_moe._native._expert_blocks import Block, plan_blocks
 from torch_moe._native._layouts import weight_grad_strides
 from torch_moe._native.activation import activation_backward, activation_forward
 from torch_moe._native.padded_groups import padded_group_layout
@@ -39,6 +39,7 @@ __all__ = [
     "indexed_grouped_mm_backward",
     "grouped_ffn",
     "grouped_ffn_backward",
+    "ExpertFFN",
 ]
 
 # Rows per chunk for row-wise reductions, so temporaries stay small (well under the 32 MiB
@@ -612,6 +613,67 @@ def _up_projection(blk, X, w1, w3, b1, b3, h, F, bufs, cdt):
         h[:, F:].copy_(blk.mm(X, w3, bufs.get("h_up", n, F, cdt), b3))
 
 
+def _block_outputs(blk, X, pad_r, hidden, W1, W3, W2, b1, b3, b2, activation, alpha, limit, bufs,
+                   cdt):
+    """The unweighted expert outputs ``act(X @ w1, X @ w3) @ w2`` of one block (``cdt``, rows
+    in slot order); writes the pre-activations of its slots into ``hidden`` (their rows of the
+    op's ``hidden``). ``X``: the block's rows gathered in ``cdt``; ``pad_r``: its padding rows."""
+    n, H = blk.num_rows, hidden.size(1)
+    F = W2.w.size(1)
+    direct = not blk.batched and hidden.dtype == cdt
+    h = hidden if direct else bufs.get("h", n, H, cdt)
+    _up_projection(blk, X, W1, W3, b1, b3, h, F, bufs, cdt)
+    # padded slots (and padding rows) store zeros, whatever the weights of their group hold
+    _zero_rows_(h, pad_r)
+    if not direct:
+        # store, then continue from the stored (rounded) values so that the backward
+        # recomputation sees exactly what the forward used
+        hidden.copy_(blk.to_slots(h))
+        if h.dtype != hidden.dtype:
+            blk.to_rows_into(hidden, h)
+    act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
+    return blk.to_slots(blk.mm(act, W2, bufs.get("o", n, W2.w.size(2), cdt), b2))
+
+
+class ExpertFFN:
+    """Experts on rows that the caller gathered: the computation of a block of
+    :func:`grouped_ffn` in the per-group form (the same GEMMs and elementwise kernels, the GEMMs
+    on the same rows, so the same bits), without the op's routing, checks and combine.
+
+    For a caller that schedules experts itself and combines their outputs later (the expert
+    store computes experts as soon as their weights have arrived). The weights are the
+    ``[E, ...]`` tensors of :func:`grouped_ffn` (an expert store's slots); the caller has checked
+    their shapes and dtypes, which stay fixed while their values change between calls.
+    """
+
+    def __init__(self, w1, w2, w3=None, activation="swiglu", alpha=1.702, limit=7.0, b1=None,
+                 b2=None, b3=None):
+        cdt = gemm_compute_dtype(w1.dtype)
+        self.cdt, self.activation, self.alpha, self.limit = cdt, activation, alpha, limit
+        self._bufs = _Buffers(w1.device)
+        self._W1 = _ExpertWeight(w1, cdt, self._bufs, "w1")
+        self._W3 = _ExpertWeight(w3, cdt, self._bufs, "w3") if w3 is not None else None
+        self._W2 = _ExpertWeight(w2, cdt, self._bufs, "w2")
+        self._biases = (b1, b2, b3)
+
+    def __call__(self, groups: list, X: torch.Tensor, hidden: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """``groups = [(g, n_g)]``: expert ``g`` on the next ``n_g >= 1`` rows of ``X [n, D]``
+        (``n`` the sum of the ``n_g``). ``hidden [n, H]`` gets the pre-activations, ``out [n,
+        D]`` (any float dtype) the unweighted outputs."""
+        bounds, start = [], 0
+        for g, n in groups:
+            bounds.append((g, start, start + n))
+            start += n
+        # [E, N] biases converted whole, as the op converts them (tiny next to the weights)
+        b1, b2, b3 = (_gemm_operand(b, self.cdt) if b is not None else None
+                      for b in self._biases)
+        o = _block_outputs(Block(0, start, bounds), _gemm_operand(X, self.cdt), None, hidden,
+                           self._W1, self._W3, self._W2, b1, b3, b2, self.activation,
+                           self.alpha, self.limit, self._bufs, self.cdt)
+        out.copy_(o)
+
+
 def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="swiglu",
                 alpha=1.702, limit=7.0, b1=None, b2=None, b3=None, *, out=None, hidden=None):
     """The op's CPU kernel. ``out [T, D]`` and ``hidden [S, H]`` (contiguous, x's dtype;
@@ -644,19 +706,8 @@ def grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3=None, activation="
         pad_b = pad[bs:be] if pad is not None else None
         pad_r = blk.pad_rows(pad_b)
         X = _gather_rows(x_c, blk.to_rows(r), pad_r, bufs.get("x", n, D, cdt))
-        direct = not blk.batched and hidden.dtype == cdt
-        h = hidden[bs:be] if direct else bufs.get("h", n, H, cdt)
-        _up_projection(blk, X, W1, W3, b1_c, b3_c, h, F, bufs, cdt)
-        # padded slots (and padding rows) store zeros, whatever the weights of their group hold
-        _zero_rows_(h, pad_r)
-        if not direct:
-            # store, then continue from the stored (rounded) values so that the backward
-            # recomputation sees exactly what the forward used
-            hidden[bs:be].copy_(blk.to_slots(h))
-            if h.dtype != hidden.dtype:
-                blk.to_rows_into(hidden[bs:be], h)
-        act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
-        o = blk.to_slots(blk.mm(act, W2, bufs.get("o", n, D, cdt), b2_c))
+        o = _block_outputs(blk, X, pad_r, hidden[bs:be], W1, W3, W2, b1_c, b3_c, b2_c,
+                           activation, alpha, limit, bufs, cdt)
         # the routing weight scales the down bias too (gpt-oss); it is applied in the
         # accumulation dtype, so that a low-precision row is rounded once, by the combine
         o = o if o.dtype == out_acc.dtype else o.to(out_acc.dtype)

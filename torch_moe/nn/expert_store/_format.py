@@ -225,6 +225,12 @@ class SafetensorsFile:
         if page_cache:
             os.posix_fadvise(self._fd, lo, offset + length - lo, os.POSIX_FADV_DONTNEED)
 
+    def advise(self, offset: int, length: int) -> None:
+        """Starts reading ``[offset, offset + length)`` into the page cache in the background
+        (``POSIX_FADV_WILLNEED``), for a read that follows soon."""
+        if length > 0:
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+
     def drop_page_cache(self) -> None:
         """Drops the whole file from this mapping and from the page cache (a cold start)."""
         if self._mm is not None:

@@ -1,16 +1,23 @@
 """Who copies experts from the slow tier into cache slots, and how the compute waits for it.
 
 * :class:`ThreadLoader` (CPU): one background thread runs the copies, demand loads before
-  prefetches (a priority queue). ``Tensor.copy_`` releases the GIL, so a copy overlaps the
-  compute of the main thread. One thread: two copies never write one slot at once, and a load
-  queued for a slot whose expert was evicted before the copy started is skipped.
+  prefetches (a priority queue). ``Tensor.copy_`` and ``preadv`` release the GIL, so a copy
+  overlaps the compute of the main thread. One thread: two copies never write one slot at once,
+  and a load queued for a slot whose expert was evicted before the copy started is skipped.
+  Before each copy the thread *advises* the next ``readahead`` queued loads (``advise``, for the
+  file tier ``POSIX_FADV_WILLNEED`` on the expert's bytes): the kernel then reads them from the
+  disk in the background, many requests in flight, while the thread copies one at a time. One
+  read at a time reaches a fraction of what the disk gives with a deep queue (measured on
+  1.5 MiB experts read cold in random order: 0.73 GB/s one by one, 1.84 GB/s with 16 advised
+  ahead).
 * :class:`StreamLoader` (CUDA): copies are issued at once, ``non_blocking``, on a side stream;
   an event recorded after each copy is what the compute stream waits on (no host stall), and a
   slot is overwritten only after the compute stream has passed the event recorded when its
   last user released it.
 * :class:`InlineLoader`: no prefetch; each copy runs on the calling thread when it is needed.
 
-``submit(job, priority)`` returns a ticket; ``wait(ticket)`` returns the seconds the calling
+``submit(job, priority, slot_key, advise)`` returns a ticket; ``ready(ticket)`` says whether its
+copy is done; ``wait(ticket)`` returns the seconds the calling
 thread was blocked (the stall). ``released(slot_key)`` marks the point after which a slot may be
 overwritten.
 """
@@ -24,7 +31,8 @@ import torch
 
 __all__ = ["ThreadLoader", "StreamLoader", "InlineLoader", "make_loader"]
 
-DEMAND, NEXT_PASS, NEXT_LAYER = 0, 1, 2
+# a step's own loads before the prefetches for the next layer
+DEMAND, NEXT_LAYER = 0, 1
 
 
 class _Ticket:
@@ -40,7 +48,7 @@ class InlineLoader:
     asynchronous = False
     cancellable = False
 
-    def submit(self, job, priority: int = DEMAND, slot_key=None):
+    def submit(self, job, priority: int = DEMAND, slot_key=None, advise=None):
         ticket = _Ticket()
         start = time.perf_counter()
         job(False)
@@ -48,6 +56,9 @@ class InlineLoader:
         ticket.seconds = time.perf_counter() - start
         ticket.done.set()
         return ticket
+
+    def ready(self, ticket) -> bool:
+        return True
 
     def wait(self, ticket) -> float:
         seconds, ticket.seconds = ticket.seconds, 0.0
@@ -64,7 +75,10 @@ class ThreadLoader:
     asynchronous = True
     cancellable = True  # a queued job that finds its slot reassigned does nothing
 
-    def __init__(self):
+    def __init__(self, readahead: int = 16):
+        # queued loads advised ahead of the one being copied (16 experts of 1.5 MiB keep a
+        # virtual disk at its sequential bandwidth; more only holds pages for longer)
+        self.readahead = readahead
         self._heap: list = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -73,13 +87,17 @@ class ThreadLoader:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, job, priority: int = DEMAND, slot_key=None):
+    def submit(self, job, priority: int = DEMAND, slot_key=None, advise=None):
+        """Queues ``job``; ``advise()``, if given, tells the tier the job will read soon (called
+        on this loader's thread, at most once, before the job runs)."""
         ticket = _Ticket()
         with self._cv:
             if self._closed:
                 raise RuntimeError("expert store: the loader is closed (ExpertStore.close() was "
                                    "called)")
-            heapq.heappush(self._heap, (priority, next(self._seq), job, ticket))
+            # a list, so that the advice can be struck off once given; seq makes entries
+            # unique, so the comparison never reaches the job
+            heapq.heappush(self._heap, [priority, next(self._seq), job, ticket, advise])
             self._cv.notify()
         return ticket
 
@@ -90,12 +108,24 @@ class ThreadLoader:
                     self._cv.wait()
                 if not self._heap:
                     return
-                _, _, job, ticket = heapq.heappop(self._heap)
+                entry = heapq.heappop(self._heap)
+                _, _, job, ticket, _ = entry
+                advice = []
+                for e in [entry, *heapq.nsmallest(self.readahead, self._heap)]:
+                    if e[4] is not None:
+                        advice.append(e[4])
+                        e[4] = None  # given once
             try:
+                # the advice of a load that turns out stale is harmless: pages read early
+                for advise in advice:
+                    advise()
                 job(False)
             except BaseException as e:  # handed to the waiter, raised on the compute thread
                 ticket.error = e
             ticket.done.set()
+
+    def ready(self, ticket) -> bool:
+        return ticket.done.is_set()
 
     def wait(self, ticket) -> float:
         if ticket.done.is_set():
@@ -128,7 +158,7 @@ class StreamLoader:
         self.stream = torch.cuda.Stream(device=device)
         self._free: dict = {}
 
-    def submit(self, job, priority: int = DEMAND, slot_key=None):
+    def submit(self, job, priority: int = DEMAND, slot_key=None, advise=None):
         # the side stream must not overwrite a slot that queued compute still reads
         free = self._free.pop(slot_key, None)
         with torch.cuda.stream(self.stream):
@@ -138,6 +168,9 @@ class StreamLoader:
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
+
+    def ready(self, ticket) -> bool:
+        return ticket.query()
 
     def wait(self, ticket) -> float:
         torch.cuda.current_stream(self.device).wait_event(ticket)

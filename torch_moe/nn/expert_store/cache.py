@@ -165,6 +165,27 @@ class ExpertCache:
             slots.append(slot)
         return slots
 
+    def room_for(self, experts: list) -> bool:
+        """Whether :meth:`request` of ``experts`` would find a slot for each missing one now:
+        free slots and slots whose expert is neither pinned, nor needed by the step, nor among
+        ``experts``."""
+        missing = sum(1 for e in experts if e not in self._slot_of)
+        if not missing:
+            return True
+        wanted = set(experts)
+        room = 0
+        for slot, e in enumerate(self._expert):
+            if not self._pins[slot] and (e is None or (e not in self._reserved
+                                                        and e not in wanted)):
+                room += 1
+                if room >= missing:
+                    return True
+        return False
+
+    def loaded(self, slots: list) -> bool:
+        """Whether the loads into ``slots`` are done (:meth:`wait` would not block)."""
+        return all(self._ticket[s] is None or self.loader.ready(self._ticket[s]) for s in slots)
+
     def wait(self, slots: list) -> None:
         """Blocks until the loads into ``slots`` are done (the stall is counted)."""
         for slot in slots:
@@ -228,9 +249,17 @@ class ExpertCache:
         dst = {name: t[slot] for name, t in self.slots.items()}
         nbytes = self.spec.nbytes()
 
+        names = list(dst)
+
+        def advise() -> None:
+            if self._gen[slot] == gen:
+                self.tier.advise(self.layer, expert, names)
+
         def job(non_blocking: bool) -> None:
             if self._gen[slot] != gen:
-                return  # the slot was given to another expert before this copy started
+                # the slot was given to another expert before this copy started
+                self.tier.discard(self.layer, expert, names)
+                return
             with torch.no_grad():  # grad mode is per thread: the loader's is on
                 self.tier.read_into(self.layer, expert, dst, non_blocking)
             with self._lock:
@@ -240,7 +269,8 @@ class ExpertCache:
                 self._reads[(step, expert)] += 1
                 s.max_reads_per_step = max(s.max_reads_per_step, self._reads[(step, expert)])
 
-        self._ticket[slot] = self.loader.submit(job, priority, slot_key=(id(self), slot))
+        self._ticket[slot] = self.loader.submit(job, priority, slot_key=(id(self), slot),
+                                                advise=advise)
 
     def drain(self) -> None:
         """Waits for every pending load (e.g. before timing or closing)."""

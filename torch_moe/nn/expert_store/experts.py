@@ -37,14 +37,16 @@ layer used last time (``"previous"``), and queues their loads behind its own; th
 layer prefetches exactly what the previous layer's forward used.
 """
 
+import collections
 from typing import Optional
 
 import torch
 from torch import nn, Tensor
 
 from torch_moe._native._expert_blocks import use_form as expert_form
+from torch_moe._native.cpu import ExpertFFN
 from torch_moe.nn import _checks as C
-from torch_moe.nn.expert_store._loader import NEXT_LAYER, NEXT_PASS
+from torch_moe.nn.expert_store._loader import NEXT_LAYER
 from torch_moe.nn.expert_store.cache import ExpertCache
 
 __all__ = ["OffloadedExperts", "PREFETCH"]
@@ -137,41 +139,65 @@ class OffloadedExperts(nn.Module):
             prev.cache.prefetch(prev._last_needed[: prev.cache.num_slots], NEXT_LAYER,
                                 next_step=True)
 
-    # -- passes -----------------------------------------------------------------------------
+    # -- scheduling -------------------------------------------------------------------------
 
-    def _plan(self, needed: list) -> list:
-        """Chunks of ``needed`` for the passes: resident experts first."""
+    def _chunks(self, needed: list, chunk: int) -> list:
+        """``needed`` in compute order, resident experts first, cut into chunks of ``chunk``."""
         cache = self.cache
         order = ([e for e in needed if cache.resident(e)]
                  + [e for e in needed if not cache.resident(e)])
-        C_ = cache.num_slots
-        if len(order) <= C_:
-            return [order]
-        # double buffering: the next pass's loads go to the slots this pass does not hold
-        size = max(1, C_ // 2) if cache.loader.asynchronous else C_
-        return [order[i : i + size] for i in range(0, len(order), size)]
+        return [order[i : i + chunk] for i in range(0, len(order), chunk)]
 
-    def _run_passes(self, needed: list, compute, after_first=None) -> None:
-        """Runs ``compute(experts, slots)`` over the passes of ``needed``, each pass's experts
-        pinned while it runs, the next pass's loads queued before it runs."""
+    def _pass_size(self) -> int:
+        """Experts per fused-op pass: the whole cache, or half of it with an asynchronous loader
+        (double buffering: the next pass's loads go to the slots this pass does not hold)."""
+        C_ = self.cache.num_slots
+        return max(1, C_ // 2) if self.cache.loader.asynchronous else C_
+
+    def _run(self, needed: list, chunk: int, compute, merge: bool = False,
+             after_first=None) -> None:
+        """Runs ``compute(experts, slots)`` over ``needed`` in chunks of ``chunk`` experts.
+
+        The chunks are requested in compute order as far ahead as the slots allow (each one's
+        slots pinned and its loads queued as soon as there is room for them), so that the loads
+        run while earlier chunks compute; a chunk's slots are given back (and its experts may be
+        evicted) as soon as it has run, which makes room for the next request. With ``merge``,
+        the chunks after the one waited for whose loads are done already join its call (one
+        call for all the experts that are there: the resident ones at the start of a step, the
+        prefetched ones). ``after_first`` runs once the first requests are queued (the next
+        layer's prefetch goes behind them)."""
         cache = self.cache
-        passes = self._plan(needed)
+        chunks = self._chunks(needed, chunk)
         cache.begin_step(needed)
+        pending = collections.deque()  # (experts, slots): requested, not yet computed
+        i = 0
         try:
-            for i, chunk in enumerate(passes):
-                slots = cache.request(chunk)
+            while i < len(chunks) or pending:
+                while i < len(chunks) and cache.room_for(chunks[i]):
+                    pending.append((chunks[i], cache.request(chunks[i])))
+                    i += 1
+                if after_first is not None:
+                    after_first()
+                    after_first = None
+                if not pending:
+                    raise RuntimeError(
+                        f"expert cache of layer {cache.layer!r}: no room for experts "
+                        f"{chunks[i]}: all {cache.num_slots} slots are pinned or hold experts "
+                        "this step needs")
+                experts, slots = pending.popleft()
                 try:
-                    # queued behind this pass's demand loads, before the compute thread waits
-                    if i + 1 < len(passes) and cache.loader.asynchronous:
-                        cache.prefetch(passes[i + 1], NEXT_PASS, next_step=False)
-                    if i == 0 and after_first is not None:
-                        after_first()
                     cache.wait(slots)
-                    compute(chunk, slots)
+                    while merge and pending and cache.loaded(pending[0][1]):
+                        more, more_slots = pending.popleft()
+                        experts, slots = experts + more, slots + more_slots
+                        cache.wait(more_slots)
+                    compute(experts, slots)
                 finally:
                     cache.release(slots)
-                cache.finished(chunk)
+                cache.finished(experts)
         finally:
+            for _, slots in pending:  # an error left them requested
+                cache.release(slots)
             cache.end_step()
 
 
@@ -234,32 +260,58 @@ class _OffloadedFFN(torch.autograd.Function):
         r = _Routing(sorted_ids, offs, topk_weights, acc)
         T, D = x.shape
         H = (2 if cfg.gated else 1) * cfg.hidden_dim
-        o_S = x.new_empty((r.n, D))
+        # unweighted outputs in the accumulation dtype: what the fused op weights and combines
+        o_S = x.new_empty((r.n, D), dtype=acc)
         hidden_S = x.new_empty((r.n, H))
         slots_t = cache.slots
         act = (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
         biases = {n: slots_t[n] for n in ("b1", "b2", "b3") if n in slots_t}
 
-        def compute(experts, slots):
-            pos, offs_p = r.pass_layout(experts, slots, cache.num_slots, x.device)
-            x_p = x[r.rows[pos]]
-            n = pos.numel()
-            self_ids = torch.arange(n, device=x.device)
-            ones = torch.ones((n, 1), dtype=topk_weights.dtype, device=x.device)
-            with expert_form("per_group"):
-                out_p, hidden_p = torch.ops.torch_moe.grouped_ffn(
-                    x_p, self_ids, offs_p, ones, slots_t["w1"], slots_t["w2"], slots_t.get("w3"),
-                    *act, **biases)
-            o_S[pos] = out_p
-            hidden_S[pos] = hidden_p
+        if x.device.type == "cpu":
+            # each expert as soon as its slot is loaded, on its own rows: no pass to wait for
+            ffn = ExpertFFN(slots_t["w1"], slots_t["w2"], slots_t.get("w3"), *act, **biases)
+
+            def compute(experts, slots):
+                # in sorted-slot order: the rows of experts adjacent in the routing are
+                # adjacent, and a run of them is written in place
+                run = sorted(zip(experts, slots))
+                spans = [r.bounds[e] for e, _ in run]
+                groups = [(slot, t - s) for (_, slot), (s, t) in zip(run, spans)]
+                if all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
+                    s, t = spans[0][0], spans[-1][1]
+                    ffn(groups, x.index_select(0, r.rows[s:t]), hidden_S[s:t], o_S[s:t])
+                    return
+                pos = torch.tensor([i for s, t in spans for i in range(s, t)], device=x.device)
+                o_p = o_S.new_empty((pos.numel(), D))
+                h_p = hidden_S.new_empty((pos.numel(), H))
+                ffn(groups, x.index_select(0, r.rows[pos]), h_p, o_p)
+                hidden_S.index_copy_(0, pos, h_p)
+                o_S.index_copy_(0, pos, o_p)
+
+            chunk, merge = 1, True
+        else:
+            def compute(experts, slots):
+                pos, offs_p = r.pass_layout(experts, slots, cache.num_slots, x.device)
+                x_p = x[r.rows[pos]]
+                n = pos.numel()
+                self_ids = torch.arange(n, device=x.device)
+                ones = torch.ones((n, 1), dtype=topk_weights.dtype, device=x.device)
+                with expert_form("per_group"):
+                    out_p, hidden_p = torch.ops.torch_moe.grouped_ffn(
+                        x_p, self_ids, offs_p, ones, slots_t["w1"], slots_t["w2"],
+                        slots_t.get("w3"), *act, **biases)
+                o_S[pos] = out_p.to(acc)
+                hidden_S[pos] = hidden_p
+
+            chunk, merge = module._pass_size(), False
 
         module._last_needed = r.needed
-        module._run_passes(r.needed, compute, after_first=lambda: module._prefetch_next(x))
+        module._run(r.needed, chunk, compute, merge=merge,
+                    after_first=lambda: module._prefetch_next(x))
         if not r.needed:
             module._prefetch_next(x)
         # weight and combine once, in sorted-slot order, from zeros, in the accumulation dtype
-        y = o_S.to(acc) if o_S.dtype != acc else o_S
-        y.mul_(r.w_S.unsqueeze(1))
+        y = o_S.mul_(r.w_S.unsqueeze(1))
         out = torch.zeros((T, D), dtype=acc, device=x.device)
         if r.n:
             out.index_add_(0, r.rows, y)
@@ -300,7 +352,8 @@ class _OffloadedFFN(torch.autograd.Function):
                 gw_S[pos] = gw_p.reshape(n)
 
         if want_x or want_w:
-            module._run_passes(r.needed, compute, after_first=module._prefetch_prev_backward)
+            module._run(r.needed, module._pass_size(), compute,
+                        after_first=module._prefetch_prev_backward)
         grad_x = grad_w = None
         if want_x:
             acc_x = torch.zeros((T, D), dtype=acc, device=x.device)

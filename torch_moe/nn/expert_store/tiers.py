@@ -93,6 +93,13 @@ class SlowTier:
     def read_into(self, layer: str, expert: int, dst: dict, non_blocking: bool = False) -> None:
         raise NotImplementedError
 
+    def advise(self, layer: str, expert: int, names) -> None:
+        """Expert ``expert`` of ``layer`` (its tensors ``names``) will be read soon: start
+        fetching it, without waiting. Nothing to do where the experts are in memory."""
+
+    def discard(self, layer: str, expert: int, names) -> None:
+        """An advised read of the expert will not happen after all."""
+
     def close(self) -> None:
         pass
 
@@ -138,9 +145,24 @@ class FileTier(SlowTier):
                 copy_into(slot, self.file.get(key), non_blocking)
                 self.file.release(*self.file.byte_range(key))
         if self.drop_page_cache:
-            first, _ = self.file.byte_range(keys[0])
-            last, n = self.file.byte_range(keys[-1])
-            self.file.release(min(first, last), abs(last - first) + n, page_cache=True)
+            self.file.release(*self._span(keys), page_cache=True)
+
+    def _span(self, keys) -> tuple:
+        """``(offset, length)`` of the bytes of ``keys`` (one expert's tensors, adjacent)."""
+        ranges = [self.file.byte_range(k) for k in keys]
+        lo = min(off for off, _ in ranges)
+        return lo, max(off + n for off, n in ranges) - lo
+
+    def advise(self, layer: str, expert: int, names) -> None:
+        # POSIX_FADV_WILLNEED queues the reads of the expert's pages and returns: the kernel
+        # reads them in the background, so several advised experts are in flight at once
+        self.file.advise(*self._span([expert_key(layer, expert, n) for n in names]))
+
+    def discard(self, layer: str, expert: int, names) -> None:
+        if self.drop_page_cache:
+            # a file larger than RAM: pages read ahead for nothing do not stay
+            self.file.release(*self._span([expert_key(layer, expert, n) for n in names]),
+                              page_cache=True)
 
     def close(self) -> None:
         self.file.close()
