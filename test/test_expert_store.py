@@ -443,7 +443,8 @@ class TestErrors(_Files):
 
     def test_frozen(self):
         model = self._saved()
-        store = offload_experts(model, self.path(), cache_experts=2)
+        # the host tier: slots the cache owns (a mapped slot is a view no caller sees)
+        store = offload_experts(model, self.path(), cache_experts=2, tier="host")
         self.addCleanup(store.close)
         store.caches["layers.1"].slots["w2"].requires_grad_(True)
         with self.assertRaisesRegex(RuntimeError, "are frozen, but slots\\['w2'\\] requires grad"):

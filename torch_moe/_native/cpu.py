@@ -618,8 +618,8 @@ def _block_outputs(blk, X, pad_r, hidden, W1, W3, W2, b1, b3, b2, activation, al
     """The unweighted expert outputs ``act(X @ w1, X @ w3) @ w2`` of one block (``cdt``, rows
     in slot order); writes the pre-activations of its slots into ``hidden`` (their rows of the
     op's ``hidden``). ``X``: the block's rows gathered in ``cdt``; ``pad_r``: its padding rows."""
-    n, H = blk.num_rows, hidden.size(1)
-    F = W2.w.size(1)
+    n, H, D = blk.num_rows, hidden.size(1), X.size(1)
+    F = H // 2 if activation in _checks.GATED_ACTIVATIONS else H
     direct = not blk.batched and hidden.dtype == cdt
     h = hidden if direct else bufs.get("h", n, H, cdt)
     _up_projection(blk, X, W1, W3, b1, b3, h, F, bufs, cdt)
@@ -632,7 +632,7 @@ def _block_outputs(blk, X, pad_r, hidden, W1, W3, W2, b1, b3, b2, activation, al
         if h.dtype != hidden.dtype:
             blk.to_rows_into(hidden, h)
     act = activation_forward(activation, h, bufs.get("a", n, F, cdt), alpha, limit)
-    return blk.to_slots(blk.mm(act, W2, bufs.get("o", n, W2.w.size(2), cdt), b2))
+    return blk.to_slots(blk.mm(act, W2, bufs.get("o", n, D, cdt), b2))
 
 
 class ExpertFFN:
@@ -641,20 +641,31 @@ class ExpertFFN:
     on the same rows, so the same bits), without the op's routing, checks and combine.
 
     For a caller that schedules experts itself and combines their outputs later (the expert
-    store computes experts as soon as their weights have arrived). The weights are the
-    ``[E, ...]`` tensors of :func:`grouped_ffn` (an expert store's slots); the caller has checked
-    their shapes and dtypes, which stay fixed while their values change between calls.
+    store computes experts as soon as their weights have arrived). The weights are those of
+    :func:`grouped_ffn`, ``w1 [E, D, F]`` ..., or sequences of per-expert tensors (``w1[g] [D,
+    F]``, an expert store's slots), all in ``dtype``; the caller has checked their shapes and
+    dtypes. The sequences are read at each call: their entries may change between calls.
     """
 
     def __init__(self, w1, w2, w3=None, activation="swiglu", alpha=1.702, limit=7.0, b1=None,
-                 b2=None, b3=None):
-        cdt = gemm_compute_dtype(w1.dtype)
+                 b2=None, b3=None, *, dtype=None):
+        self.dtype = dtype if dtype is not None else w1.dtype
+        cdt = gemm_compute_dtype(self.dtype)
         self.cdt, self.activation, self.alpha, self.limit = cdt, activation, alpha, limit
-        self._bufs = _Buffers(w1.device)
+        self._bufs = _Buffers(torch.device("cpu"))  # a CPU kernel
         self._W1 = _ExpertWeight(w1, cdt, self._bufs, "w1")
         self._W3 = _ExpertWeight(w3, cdt, self._bufs, "w3") if w3 is not None else None
         self._W2 = _ExpertWeight(w2, cdt, self._bufs, "w2")
         self._biases = (b1, b2, b3)
+
+    def _bias(self, b):
+        # converted whole, as the op converts them (tiny next to the weights); a sequence
+        # entry by entry (those of empty slots are None)
+        if b is None or self.dtype == self.cdt:
+            return b
+        if isinstance(b, torch.Tensor):
+            return _gemm_operand(b, self.cdt)
+        return [v if v is None else _gemm_operand(v, self.cdt) for v in b]
 
     def __call__(self, groups: list, X: torch.Tensor, hidden: torch.Tensor,
                  out: torch.Tensor) -> None:
@@ -665,9 +676,7 @@ class ExpertFFN:
         for g, n in groups:
             bounds.append((g, start, start + n))
             start += n
-        # [E, N] biases converted whole, as the op converts them (tiny next to the weights)
-        b1, b2, b3 = (_gemm_operand(b, self.cdt) if b is not None else None
-                      for b in self._biases)
+        b1, b2, b3 = (self._bias(b) for b in self._biases)
         o = _block_outputs(Block(0, start, bounds), _gemm_operand(X, self.cdt), None, hidden,
                            self._W1, self._W3, self._W2, b1, b3, b2, self.activation,
                            self.alpha, self.limit, self._bufs, self.cdt)

@@ -16,6 +16,7 @@ import json
 import mmap
 import os
 import struct
+import sys
 from typing import Optional
 
 import torch
@@ -31,6 +32,20 @@ DTYPES = {
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _PAGE = mmap.PAGESIZE
+# madvise(2) advice that faults a range in for reading (Linux 5.14); Python names it from 3.13 on
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else -1)
+# madvise(2) through ctypes rather than mmap.madvise, which holds the GIL for the whole call: a
+# MADV_POPULATE_READ that waits for the disk would stop the compute thread with it (a ctypes
+# call releases the GIL)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    if _libc.madvise(address, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
 # a header larger than this is not a safetensors header (the format's own limit is 100 MB)
 _MAX_HEADER = 100_000_000
 
@@ -142,6 +157,10 @@ class SafetensorsFile:
             end_seen = e
             self._entries[name] = (dtype, tuple(shape), b, e)
         self._mm = (mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY) if size > 0 else None)
+        # where the mapping starts, for madvise (a view's pointer; the view itself is dropped,
+        # or the mapping could not be closed while it lived)
+        self._address = (torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
+                         if self._mm is not None else None)
         self._buffers: dict = {}
 
     def keys(self):
@@ -221,9 +240,23 @@ class SafetensorsFile:
         if length <= 0 or self._mm is None:
             return
         lo = offset - offset % _PAGE
-        self._mm.madvise(mmap.MADV_DONTNEED, lo, offset + length - lo)
+        _madvise(self._address + lo, offset + length - lo, mmap.MADV_DONTNEED)
         if page_cache:
             os.posix_fadvise(self._fd, lo, offset + length - lo, os.POSIX_FADV_DONTNEED)
+
+    def populate(self, offset: int, length: int) -> None:
+        """Maps ``[offset, offset + length)`` into this process, reading what the page cache
+        lacks from the disk, and returns when it is resident (``MADV_POPULATE_READ``, Linux 5.14;
+        elsewhere by reading a byte of every page)."""
+        if length <= 0 or self._mm is None:
+            return
+        lo = offset - offset % _PAGE
+        try:
+            _madvise(self._address + lo, offset + length - lo, _MADV_POPULATE_READ)
+        except OSError:
+            touch = torch.frombuffer(self._mm, dtype=torch.uint8, count=offset + length - lo,
+                                     offset=lo)
+            int(touch[::_PAGE].sum())
 
     def advise(self, offset: int, length: int) -> None:
         """Starts reading ``[offset, offset + length)`` into the page cache in the background
@@ -239,9 +272,7 @@ class SafetensorsFile:
 
     def mapping_address(self) -> Optional[int]:
         """Start address of the mapping (to find it in ``/proc/self/smaps``)."""
-        if self._mm is None:
-            return None
-        return torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
+        return self._address
 
     def close(self) -> None:
         self._buffers = {}

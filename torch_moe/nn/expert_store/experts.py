@@ -263,13 +263,14 @@ class _OffloadedFFN(torch.autograd.Function):
         # unweighted outputs in the accumulation dtype: what the fused op weights and combines
         o_S = x.new_empty((r.n, D), dtype=acc)
         hidden_S = x.new_empty((r.n, H))
-        slots_t = cache.slots
         act = (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
-        biases = {n: slots_t[n] for n in ("b1", "b2", "b3") if n in slots_t}
 
         if x.device.type == "cpu":
             # each expert as soon as its slot is loaded, on its own rows: no pass to wait for
-            ffn = ExpertFFN(slots_t["w1"], slots_t["w2"], slots_t.get("w3"), *act, **biases)
+            sw = cache.slot_weights
+            ffn = ExpertFFN(sw["w1"], sw["w2"], sw.get("w3"), *act,
+                            **{n: sw[n] for n in ("b1", "b2", "b3") if n in sw},
+                            dtype=cache.spec.dtype)
 
             def compute(experts, slots):
                 # in sorted-slot order: the rows of experts adjacent in the routing are
@@ -291,15 +292,16 @@ class _OffloadedFFN(torch.autograd.Function):
             chunk, merge = 1, True
         else:
             def compute(experts, slots):
-                pos, offs_p = r.pass_layout(experts, slots, cache.num_slots, x.device)
+                w, groups = cache.stacked(slots)
+                pos, offs_p = r.pass_layout(experts, groups, w["w1"].size(0), x.device)
                 x_p = x[r.rows[pos]]
                 n = pos.numel()
                 self_ids = torch.arange(n, device=x.device)
                 ones = torch.ones((n, 1), dtype=topk_weights.dtype, device=x.device)
                 with expert_form("per_group"):
                     out_p, hidden_p = torch.ops.torch_moe.grouped_ffn(
-                        x_p, self_ids, offs_p, ones, slots_t["w1"], slots_t["w2"],
-                        slots_t.get("w3"), *act, **biases)
+                        x_p, self_ids, offs_p, ones, w["w1"], w["w2"], w.get("w3"), *act,
+                        **{b: w[b] for b in ("b1", "b2", "b3") if b in w})
                 o_S[pos] = out_p.to(acc)
                 hidden_S[pos] = hidden_p
 
@@ -330,22 +332,21 @@ class _OffloadedFFN(torch.autograd.Function):
         T, D = x.shape
         gx_S = x.new_empty((r.n, D)) if want_x else None
         gw_S = torch.empty(r.n, dtype=topk_weights.dtype, device=x.device) if want_w else None
-        slots_t = cache.slots
-        biases = {n: slots_t[n] for n in ("b1", "b2", "b3") if n in slots_t}
         mask = [want_x, want_w] + [False] * 6
         grad = grad.contiguous()
 
         def compute(experts, slots):
-            pos, offs_p = r.pass_layout(experts, slots, cache.num_slots, x.device)
+            w, groups = cache.stacked(slots)
+            pos, offs_p = r.pass_layout(experts, groups, w["w1"].size(0), x.device)
             rows = r.rows[pos]
             n = pos.numel()
             self_ids = torch.arange(n, device=x.device)
             w_p = topk_weights.reshape(-1)[r.ids[pos]].reshape(n, 1)
             with expert_form("per_group"):
                 gx_p, gw_p, *_ = torch.ops.torch_moe.grouped_ffn_backward(
-                    grad[rows], x[rows], self_ids, offs_p, w_p, slots_t["w1"], slots_t["w2"],
-                    slots_t.get("w3"), hidden_S[pos], cfg.activation, cfg.swiglu_alpha,
-                    cfg.swiglu_limit, mask, **biases)
+                    grad[rows], x[rows], self_ids, offs_p, w_p, w["w1"], w["w2"], w.get("w3"),
+                    hidden_S[pos], cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, mask,
+                    **{b: w[b] for b in ("b1", "b2", "b3") if b in w})
             if want_x:
                 gx_S[pos] = gx_p
             if want_w:

@@ -111,12 +111,11 @@ class ExpertStore:
 
     def slot_bytes(self) -> int:
         """Bytes of all cache slots (the fast tier's budget)."""
-        return sum(t.numel() * t.element_size() for c in self.caches.values()
-                   for t in c.slots.values())
+        return sum(c.budget_bytes() for c in self.caches.values())
 
     def close(self) -> None:
         for cache in self.caches.values():
-            cache.drain()
+            cache.close()
         self.loader.close()
         self.tier.close()
 

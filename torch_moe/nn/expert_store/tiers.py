@@ -85,7 +85,25 @@ def expert_key(layer: str, expert: int, name: str) -> str:
 class SlowTier:
     """Where the experts live. ``read_into(layer, e, dst)`` copies expert ``e`` of ``layer`` into
     ``dst`` (name -> tensor of the spec's shape, a cache slot), with ``non_blocking`` where the
-    copy can be asynchronous (pinned host to GPU)."""
+    copy can be asynchronous (pinned host to GPU).
+
+    A tier with ``maps_experts`` can instead hand out views of an expert in CPU memory that it
+    makes resident on demand (``views``, ``map_in``, ``unmap``): a CPU cache then holds experts
+    in place rather than copies of them (see :mod:`torch_moe.nn.expert_store.cache`)."""
+
+    maps_experts = False
+
+    def views(self, layer: str, expert: int, names) -> dict:
+        """name -> the expert's tensor, read where it lies (not resident until ``map_in``)."""
+        raise NotImplementedError
+
+    def map_in(self, layer: str, expert: int, names) -> None:
+        """Makes the expert's bytes resident behind its views (blocks until they are)."""
+        raise NotImplementedError
+
+    def unmap(self, layer: str, expert: int, names) -> None:
+        """The expert's bytes may leave memory (its views stay valid: a read maps them in)."""
+        raise NotImplementedError
 
     def check_layer(self, layer: str, spec: ExpertSpec) -> None:
         raise NotImplementedError
@@ -108,9 +126,15 @@ class FileTier(SlowTier):
     """Experts in a safetensors file (see :func:`~torch_moe.nn.expert_store.save_experts`),
     mapped, read on demand."""
 
+    maps_experts = True
+
     def __init__(self, path, drop_page_cache: bool = False):
         self.file = SafetensorsFile(path)
         self.drop_page_cache = drop_page_cache
+        # per (layer, expert): its byte span and its views, made once (a load's bookkeeping
+        # runs on the loader thread with the GIL held, so it is kept to a lookup)
+        self._spans: dict = {}
+        self._views: dict = {}
 
     def check_layer(self, layer: str, spec: ExpertSpec) -> None:
         """Every expert of ``layer`` is in the file with the spec's shapes and dtype."""
@@ -153,18 +177,42 @@ class FileTier(SlowTier):
         lo = min(off for off, _ in ranges)
         return lo, max(off + n for off, n in ranges) - lo
 
+    def _expert_span(self, layer: str, expert: int, names) -> tuple:
+        key = (layer, expert)
+        span = self._spans.get(key)
+        if span is None:
+            span = self._spans[key] = self._span([expert_key(layer, expert, n) for n in names])
+        return span
+
+    def views(self, layer: str, expert: int, names) -> dict:
+        key = (layer, expert)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = {n: self.file.get(expert_key(layer, expert, n))
+                                        for n in names}
+        return views
+
+    def map_in(self, layer: str, expert: int, names) -> None:
+        self.file.populate(*self._expert_span(layer, expert, names))
+
+    def unmap(self, layer: str, expert: int, names) -> None:
+        # out of this process's resident set; with drop_page_cache out of the page cache too,
+        # so that the next load reads the disk (a file larger than RAM)
+        self.file.release(*self._expert_span(layer, expert, names),
+                          page_cache=self.drop_page_cache)
+
     def advise(self, layer: str, expert: int, names) -> None:
         # POSIX_FADV_WILLNEED queues the reads of the expert's pages and returns: the kernel
         # reads them in the background, so several advised experts are in flight at once
-        self.file.advise(*self._span([expert_key(layer, expert, n) for n in names]))
+        self.file.advise(*self._expert_span(layer, expert, names))
 
     def discard(self, layer: str, expert: int, names) -> None:
         if self.drop_page_cache:
             # a file larger than RAM: pages read ahead for nothing do not stay
-            self.file.release(*self._span([expert_key(layer, expert, n) for n in names]),
-                              page_cache=True)
+            self.file.release(*self._expert_span(layer, expert, names), page_cache=True)
 
     def close(self) -> None:
+        self._views = {}
         self.file.close()
 
 
