@@ -221,7 +221,56 @@ class TestForms(_RestoresForm):
             self.assertEqual(g, r, atol=1e-11, rtol=1e-11, msg=f"grad {i}")
 
 
+class TestExpertFFN(_RestoresForm):
+    """``ExpertFFN`` (experts computed on rows the caller gathered, as an expert store does)
+    against the fused op in the per-group form: the same pre-activations and, weighted and
+    combined by the caller in sorted-slot order, the same output, bit for bit, whichever experts
+    share a call and in whatever order."""
+
+    @parametrize("fused,bias,dtype,as_list", list(itertools.product(
+        (False, True), (False, True), (torch.float32, torch.bfloat16), (False, True))))
+    def test_same_bits_as_the_op(self, fused, bias, dtype, as_list):
+        from torch_moe._native.cpu import ExpertFFN
+        _, sorted_ids, offs, x, topk_weights, w1, w2, w3, biases, _ = _case(
+            11, 8, 3, 16, 8, 1, fused, bias, dtype, "gaps", seed=3)
+        blocks_mod.set_form("per_group")
+        out, hidden = ops.grouped_ffn(x, sorted_ids, offs, topk_weights, w1, w2, w3, "swiglu",
+                                      1.702, 7.0, **biases)
+        k, acc = topk_weights.size(1), torch.float32
+        rows = torch.div(sorted_ids, k, rounding_mode="floor")
+        ends = offs.tolist()
+        bounds = {g: (s, e) for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)) if e > s}
+
+        def per_expert(t):
+            return [t[g] for g in range(t.size(0))] if as_list and t is not None else t
+
+        ffn = ExpertFFN(per_expert(w1), per_expert(w2), per_expert(w3), "swiglu",
+                        **{n: per_expert(b) for n, b in biases.items()}, dtype=dtype)
+        o_S = torch.empty(sorted_ids.numel(), x.size(1), dtype=acc)
+        h_S = torch.empty_like(hidden)
+        experts = list(bounds)
+        order = torch.randperm(len(experts), generator=torch.Generator().manual_seed(0)).tolist()
+        # calls of one, two and three experts, in a shuffled order
+        calls, i = [], 0
+        for n in itertools.cycle((1, 2, 3)):
+            if i >= len(order):
+                break
+            calls.append([experts[j] for j in order[i : i + n]])
+            i += n
+        for call in calls:
+            pos = torch.cat([torch.arange(*bounds[g]) for g in call])
+            o_p = torch.empty(pos.numel(), x.size(1), dtype=acc)
+            h_p = torch.empty(pos.numel(), hidden.size(1), dtype=dtype)
+            ffn([(g, bounds[g][1] - bounds[g][0]) for g in call], x[rows[pos]], h_p, o_p)
+            o_S[pos], h_S[pos] = o_p, h_p
+        self.assertTrue(torch.equal(h_S, hidden))
+        w_S = topk_weights.reshape(-1)[sorted_ids].to(acc)
+        y = torch.zeros(x.size(0), x.size(1), dtype=acc).index_add_(0, rows, o_S * w_S[:, None])
+        self.assertTrue(torch.equal(y.to(dtype), out))
+
+
 instantiate_parametrized_tests(TestForms)
+instantiate_parametrized_tests(TestExpertFFN)
 
 if __name__ == "__main__":
     run_tests()

@@ -16,6 +16,8 @@ import copy
 import os
 import struct
 import tempfile
+import threading
+import unittest
 
 import torch
 from torch import nn
@@ -195,6 +197,41 @@ class TestCache(TestCase):
             cache.release([0])
 
 
+class TestLoader(TestCase):
+    def test_readahead_advises_queued_loads(self):
+        # Before a load runs, the loader advises the tier of the loads queued behind it (up to
+        # readahead of them), each once, so that the disk reads them while it works.
+        loader = ThreadLoader(readahead=2)
+        self.addCleanup(loader.close)
+        log, gate = [], threading.Event()
+        tickets = [loader.submit(lambda nb: gate.wait(), advise=lambda: log.append(("advise", 0)))]
+        for i in range(1, 6):
+            tickets.append(loader.submit(lambda nb, i=i: log.append(("run", i)),
+                                         advise=lambda i=i: log.append(("advise", i))))
+        gate.set()
+        for t in tickets:
+            loader.wait(t)
+        advised = [i for kind, i in log if kind == "advise"]
+        self.assertEqual(sorted(advised), list(range(6)))
+        for i in range(1, 6):
+            # the two behind it were advised before it ran
+            for j in range(i, min(i + 3, 6)):
+                self.assertLess(log.index(("advise", j)), log.index(("run", i)), log)
+
+
+def _mapping_rss(address) -> int:
+    """Rss of the mapping that starts at ``address`` (bytes), from /proc/self/smaps."""
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                found = int(head.split("-")[0], 16) == address
+            elif found and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 @instantiate_parametrized_tests
 class TestOffloadedMoE(_Files):
     """The offloaded model against the resident one: torch.equal, not allclose."""
@@ -347,6 +384,26 @@ class TestOffloadedMoE(_Files):
                 y_auto = model(x)
         self.assertTrue(torch.equal(y_off, y_per_group))
         torch.testing.assert_close(y_off, y_auto, rtol=1.3e-6, atol=1e-5)
+
+    @unittest.skipUnless(os.path.exists("/proc/self/smaps"), "needs /proc/self/smaps")
+    def test_file_tier_resident_set_is_the_cache(self):
+        # A CPU cache over the file maps its experts in place: after any step the mapping's
+        # resident pages are those of the experts in the cache's slots, and never the whole
+        # file. (Experts of whole pages: 768 KiB each, 24 in the file.) Mapping a page in maps
+        # the neighbours the page cache holds too, the kernel's fault-around (64 KiB by
+        # default): up to that much on either side of each expert.
+        torch.manual_seed(0)
+        for prefetch in (None, "router"):
+            store = self._compare(_Model(dim=256, hidden_dim=256), 2, prefetch=prefetch,
+                                  steps=3, tokens=5)
+            address = store.tier.file.mapping_address()
+            spec = store.caches["layers.0"].spec
+            rss = _mapping_rss(address)
+            self.assertGreater(rss, 0)
+            self.assertEqual(store.slot_bytes(), 3 * 2 * spec.nbytes())
+            self.assertLessEqual(rss, store.slot_bytes() + 3 * 2 * 2 * (64 << 10))
+            self.assertLess(rss, 24 * spec.nbytes() / 2)
+            self.assertTrue(all(c.mapped for c in store.caches.values()))
 
     def test_exact_host_tier(self):
         torch.manual_seed(0)

@@ -2,9 +2,9 @@
 
 The routed experts of an MoE model are most of its bytes, and a token uses few of them. An
 expert store keeps every expert in a slow tier (a memory-mapped safetensors file on CPU, pinned
-host memory for a GPU) and a fixed number per layer in fast memory (preallocated slots), loading
-what each step needs, and prefetching what the next layer will need while the current one
-computes::
+host memory for a GPU) and a fixed number per layer in fast memory (slots: preallocated buffers
+on a GPU, the experts' own mapped pages on a CPU), loading what each step needs, and prefetching
+what the next layer will need while the current one computes::
 
     from torch_moe.nn.expert_store import save_experts, offload_experts
 
@@ -15,8 +15,8 @@ computes::
 
 Modules: :mod:`._format` (the safetensors file), :mod:`.tiers` (slow tiers), :mod:`.policy`
 (LRU, LFU), :mod:`._loader` (background thread / CUDA copy stream), :mod:`.cache` (the slots),
-:mod:`.experts` (the MoE integration and its exact multi-pass computation), :mod:`.offload`
-(entry points).
+:mod:`.experts` (the MoE integration: experts computed as their loads land, bit-exact),
+:mod:`.offload` (entry points).
 """
 
 from torch_moe.nn.expert_store.cache import CacheStats, ExpertCache

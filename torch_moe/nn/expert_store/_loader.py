@@ -1,9 +1,10 @@
-"""Who copies experts from the slow tier into cache slots, and how the compute waits for it.
+"""Who loads experts from the slow tier into cache slots, and how the compute waits for it.
 
-* :class:`ThreadLoader` (CPU): one background thread runs the copies, demand loads before
-  prefetches (a priority queue). ``Tensor.copy_`` and ``preadv`` release the GIL, so a copy
-  overlaps the compute of the main thread. One thread: two copies never write one slot at once,
-  and a load queued for a slot whose expert was evicted before the copy started is skipped.
+* :class:`ThreadLoader` (CPU): one background thread runs the loads (mapping an expert's pages
+  in, or copying it), demand loads before prefetches (a priority queue). ``madvise`` (through
+  ctypes), ``preadv`` and ``Tensor.copy_`` release the GIL, so a load overlaps the compute of
+  the main thread. One thread: two loads never write one slot at once, and a load queued for a
+  slot whose expert was evicted before it started is skipped.
   Before each copy the thread *advises* the next ``readahead`` queued loads (``advise``, for the
   file tier ``POSIX_FADV_WILLNEED`` on the expert's bytes): the kernel then reads them from the
   disk in the background, many requests in flight, while the thread copies one at a time. One

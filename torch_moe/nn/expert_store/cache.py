@@ -13,7 +13,9 @@ A slot holds one expert's tensors (``w1 [D, F]``, ``w3 [D, F]``, ``w2 [F, D]``, 
   the same memory moves every byte twice for nothing: copying a 1.5 MiB expert out of the page
   cache with ``preadv`` runs at 5.5 GB/s on an otherwise idle core, while mapping the same
   pages in (``MADV_POPULATE_READ``) and out again takes 64 us, 24 GB/s, and leaves the memory
-  bandwidth to the compute. The resident set still holds at most the cache's experts.
+  bandwidth to the compute. The resident set still holds the cache's experts, no more (give or
+take the kernel's fault-around, which maps neighbouring pages that the page cache holds: up to
+64 KiB either side of an expert by default).
 
 Either way ``slot_weights[name][slot]`` is the slot's tensor ``name`` (a view of ``slots[name]``
 or of the mapping), what the compute reads.

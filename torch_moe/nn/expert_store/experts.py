@@ -5,33 +5,41 @@
 frozen experts: gradients reach the tokens and the routing weights (so the router, the shared
 experts and everything before the layer train), never the experts.
 
-Passes, and why the result is bit-identical to the resident layer
+Calls, and why the result is bit-identical to the resident layer
 -----------------------------------------------------------------
-When the experts a step needs do not fit in the cache, the step runs in passes over chunks of
-experts. Summing per-pass outputs (``out_1 + out_2``) would change the association of each
-token's fp32 sum. Instead, each pass computes the *unweighted* output of every sorted slot of
-its experts, ``o_i = FFN_e(x_t)`` (independent of the pass), with the fused op run on a problem
-in which every sorted slot is a token of its own with routing weight 1 (``1.0 * o_i`` and
-``0 + o_i`` are exact); each expert's rows are one GEMM group of the same size as in the
-resident op. After the last pass the slots are weighted and combined once, in ascending sorted
-slot order, starting from zeros, by ``index_add_`` in fp32: the sequence of roundings of the
-resident kernel (``torch_moe._native.cpu.grouped_ffn``). The backward does the same with
-``grouped_ffn_backward``: per-slot ``dX_i`` and ``<dA_i, act_i>`` from passes, then one
-ordered ``index_add_`` into ``grad_x``.
+A step's experts rarely fit in the cache at once, so a step computes them in several calls, each
+over the experts whose slots have loaded. Summing per-call outputs (``out_1 + out_2``) would
+change the association of each token's fp32 sum. Instead, each call computes the *unweighted*
+output of every sorted slot of its experts, ``o_i = FFN_e(x_t)`` (independent of the call), on
+the expert's rows as one GEMM group of the same size as in the resident op. After the last call
+the slots are weighted and combined once, in ascending sorted slot order, starting from zeros,
+by ``index_add_`` in fp32: the sequence of roundings of the resident kernel
+(``torch_moe._native.cpu.grouped_ffn``).
 
-The passes run the fused kernels in their per-group form (one GEMM per expert,
-``torch_moe.cpu.expert_form("per_group")``), the only form in which an expert's rows are
-computed independently of which other experts share the call: the batched form's ``bmm`` over
-several experts may round an expert's products differently with other neighbours, and a pass
-holds other neighbours than the resident layer's single call. Bit-identity is therefore to the
-resident layer in the per-group form (the default); against a resident layer in the ``"auto"`` or
-``"batched"`` form, which batch runs of small similar experts, outputs and gradients agree to
-fp32 rounding (the batched form's summation order, a relative 1e-6 or so).
+* Forward on a CPU: :class:`torch_moe._native.cpu.ExpertFFN`, the fused kernel's own block
+  computation in its per-group form without the op's routing and combine, on the rows of the
+  experts that are there, as soon as they are: one expert whose load has just landed, or every
+  expert whose load is done (the resident ones at the start of a step).
+* Forward elsewhere, and backward: the fused ops in passes of half the slots (the next pass's
+  experts load into the other half while one computes), on a problem in which every sorted slot
+  is a token of its own with routing weight 1 (``1.0 * o_i`` and ``0 + o_i`` are exact). The
+  backward yields per-slot ``dX_i`` and ``<dA_i, act_i>``, then one ordered ``index_add_`` into
+  ``grad_x``.
 
-Pass order: experts already resident first, then the missing ones; with prefetch, a pass uses
-half of the slots so that the next pass's experts load into the other half while it computes.
+Either way the experts' GEMMs run one per expert (the per-group form, fixed with
+``torch_moe.cpu.expert_form("per_group")`` for the fused ops), the only form in which an
+expert's rows are computed independently of which other experts share the call: the batched
+form's ``bmm`` over several experts may round an expert's products differently with other
+neighbours, and a call holds other neighbours than the resident layer's single call.
+Bit-identity is therefore to the resident layer in the per-group form (the default); against a
+resident layer in the ``"auto"`` or ``"batched"`` form, which batch runs of small similar
+experts, outputs and gradients agree to fp32 rounding (the batched form's summation order, a
+relative 1e-6 or so).
 
-Prefetch: before its own passes, a layer predicts the experts of the next layer by running the
+Order: experts already resident first, then the missing ones; their slots are requested as far
+ahead as the cache allows, so the loads queue in the order the compute needs them.
+
+Prefetch: once its own loads are queued, a layer predicts the experts of the next layer by running the
 next layer's router on its own input (``prefetch="router"``) or takes the experts the next
 layer used last time (``"previous"``), and queues their loads behind its own; the backward of a
 layer prefetches exactly what the previous layer's forward used.

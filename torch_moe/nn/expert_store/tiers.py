@@ -2,10 +2,12 @@
 
 Two tiers behind one interface, :class:`SlowTier`:
 
-* :class:`FileTier`: a safetensors file, memory-mapped (the CPU tier). An expert is read when it
-  is copied into a cache slot; its pages are then unmapped from the process (the resident set
-  holds the cache, not the file) and, with ``drop_page_cache``, dropped from the page cache too,
-  so that every read goes to the disk (a file larger than RAM).
+* :class:`FileTier`: a safetensors file, memory-mapped (the CPU tier). A CPU cache holds an
+  expert as its pages of the mapping, made resident when it is loaded and unmapped when it is
+  evicted (the resident set holds the cache, not the file); a GPU cache copies the pages into
+  its slots and unmaps them. With ``drop_page_cache`` the pages leave the page cache too, so
+  that every load reads the disk (a file larger than RAM). Loads queued behind the current one
+  are announced to the kernel (``POSIX_FADV_WILLNEED``), which reads them ahead.
 * :class:`HostTier`: host tensors, pinned when the cache lives on a GPU (the GPU tier): copies
   from pinned memory to the device are asynchronous DMA on a side stream.
 
@@ -193,7 +195,11 @@ class FileTier(SlowTier):
         return views
 
     def map_in(self, layer: str, expert: int, names) -> None:
-        self.file.populate(*self._expert_span(layer, expert, names))
+        span = self._expert_span(layer, expert, names)
+        # the whole expert asked of the disk at once (a no-op for pages already cached, or
+        # already advised): populating alone would fault it in a readahead window at a time
+        self.file.advise(*span)
+        self.file.populate(*span)
 
     def unmap(self, layer: str, expert: int, names) -> None:
         # out of this process's resident set; with drop_page_cache out of the page cache too,
