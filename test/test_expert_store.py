@@ -219,6 +219,37 @@ class TestLoader(TestCase):
                 self.assertLess(log.index(("advise", j)), log.index(("run", i)), log)
 
 
+    def test_hints_are_advised_once_and_run_nothing(self):
+        loader = ThreadLoader(readahead=2)
+        self.addCleanup(loader.close)
+        log, gate = [], threading.Event()
+        first = loader.submit(lambda nb: gate.wait())
+        for i in range(3):
+            loader.hint(lambda i=i: log.append(("hint", i)))
+        last = loader.submit(lambda nb: log.append(("run", 0)))
+        gate.set()
+        loader.wait(first)
+        loader.wait(last)
+        loader.submit(lambda nb: None)  # one more turn of the loop, for the last hint
+        loader.close()
+        # each hint advised once (the first two within the readahead of the load queued in
+        # front of them), and nothing else run for them
+        self.assertEqual(sorted(log), [("hint", 0), ("hint", 1), ("hint", 2), ("run", 0)])
+        self.assertLess(log.index(("hint", 1)), log.index(("run", 0)))
+
+    def test_file_tier_hints_only_when_the_page_cache_may_keep_them(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "e.safetensors")
+            write_safetensors(path, {"experts.0.w1": torch.randn(4, 4)})
+            for drop, calls in ((False, 1), (True, 0)):
+                tier = FileTier(path, drop_page_cache=drop)
+                seen = []
+                tier.file.advise = lambda off, n: seen.append((off, n))
+                tier.hint("", 0, ["w1"])
+                self.assertEqual(len(seen), calls)
+                tier.close()
+
+
 def _mapping_rss(address) -> int:
     """Rss of the mapping that starts at ``address`` (bytes), from /proc/self/smaps."""
     found = False

@@ -32,8 +32,8 @@ import torch
 
 __all__ = ["ThreadLoader", "StreamLoader", "InlineLoader", "make_loader"]
 
-# a step's own loads before the prefetches for the next layer
-DEMAND, NEXT_LAYER = 0, 1
+# a step's own loads, then the prefetches for the next layer, then hints for the one after
+DEMAND, NEXT_LAYER, HINT = 0, 1, 2
 
 
 class _Ticket:
@@ -67,6 +67,9 @@ class InlineLoader:
 
     def released(self, slot_key) -> None:
         pass
+
+    def hint(self, advise) -> None:
+        pass  # nothing runs in the background to follow it
 
     def close(self) -> None:
         pass
@@ -102,6 +105,15 @@ class ThreadLoader:
             self._cv.notify()
         return ticket
 
+    def hint(self, advise) -> None:
+        """Queues ``advise()`` alone, behind every load: a read that may follow later (a guess
+        further ahead than a load is worth a slot for). Given when it comes within
+        ``readahead`` of the load being run, like a load's."""
+        with self._cv:
+            if not self._closed:
+                heapq.heappush(self._heap, [HINT, next(self._seq), None, None, advise])
+                self._cv.notify()
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -116,6 +128,10 @@ class ThreadLoader:
                     if e[4] is not None:
                         advice.append(e[4])
                         e[4] = None  # given once
+            if job is None:  # a hint: its advice was all there was to it
+                for advise in advice:
+                    advise()
+                continue
             try:
                 # the advice of a load that turns out stale is harmless: pages read early
                 for advise in advice:
@@ -181,6 +197,9 @@ class StreamLoader:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._free[slot_key] = event
+
+    def hint(self, advise) -> None:
+        pass  # the host tier is in memory: nothing to read ahead
 
     def close(self) -> None:
         pass

@@ -246,6 +246,14 @@ class ExpertCache:
             issued += 1
         return issued
 
+    def hint(self, experts: list) -> None:
+        """``experts`` may be needed after the next step (a prediction two layers ahead): the
+        tier may start reading those that are not resident, without a slot or a load."""
+        names = list(self.spec.shapes)
+        for e in experts:
+            if e not in self._slot_of:
+                self.loader.hint(lambda e=e: self.tier.hint(self.layer, e, names))
+
     def _victim_slot(self, protect):
         """A free slot, else the policy's victim among slots that are neither pinned nor hold an
         expert in ``protect`` or needed by the current step; None if there is none."""

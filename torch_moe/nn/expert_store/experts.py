@@ -129,17 +129,16 @@ class OffloadedExperts(nn.Module):
         if nxt is None or self.prefetch is None:
             return
         if self.prefetch == "router" and self._next_router is not None:
-            logits = self._next_router.logits(x_TD)
-            k = nxt.config.top_k
-            ids = torch.topk(logits, k, dim=-1).indices.reshape(-1)
-            counts = torch.bincount(ids, minlength=nxt.cache.spec.num_experts)
-            # most wanted first: a prediction larger than the cache keeps its best experts
-            order = torch.argsort(counts, descending=True, stable=True)
-            wanted = order[: int((counts > 0).sum())].tolist()
+            wanted = _predict(self._next_router, nxt, x_TD)
         else:
             wanted = list(nxt._last_needed)
         C_ = nxt.cache.num_slots
         nxt.cache.prefetch(wanted[:C_], NEXT_LAYER, next_step=True, keep=wanted[C_:])
+        after = nxt._next
+        if self.prefetch == "router" and after is not None and nxt._next_router is not None:
+            # two layers ahead the guess is worth a read from the disk, not a slot: a hint that
+            # the tier reads ahead behind every load (a CPU file's pages into the page cache)
+            after.cache.hint(_predict(nxt._next_router, after, x_TD)[: after.cache.num_slots])
 
     def _prefetch_prev_backward(self) -> None:
         prev = self._prev
@@ -207,6 +206,15 @@ class OffloadedExperts(nn.Module):
             for _, slots in pending:  # an error left them requested
                 cache.release(slots)
             cache.end_step()
+
+
+def _predict(router, layer: "OffloadedExperts", x_TD: Tensor) -> list:
+    """The experts ``router`` (``layer``'s) picks for the tokens ``x_TD`` (an earlier layer's
+    input), most wanted first: a prediction larger than the cache keeps its best experts."""
+    ids = torch.topk(router.logits(x_TD), layer.config.top_k, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(ids, minlength=layer.cache.spec.num_experts)
+    order = torch.argsort(counts, descending=True, stable=True)
+    return order[: int((counts > 0).sum())].tolist()
 
 
 class _Routing:

@@ -120,6 +120,10 @@ class SlowTier:
     def discard(self, layer: str, expert: int, names) -> None:
         """An advised read of the expert will not happen after all."""
 
+    def hint(self, layer: str, expert: int, names) -> None:
+        """The expert may be read later (a guess): fetch it if that is cheap to be wrong about.
+        Nothing to do where the experts are in memory."""
+
     def close(self) -> None:
         pass
 
@@ -211,6 +215,11 @@ class FileTier(SlowTier):
         # POSIX_FADV_WILLNEED queues the reads of the expert's pages and returns: the kernel
         # reads them in the background, so several advised experts are in flight at once
         self.file.advise(*self._expert_span(layer, expert, names))
+
+    def hint(self, layer: str, expert: int, names) -> None:
+        # not for a file larger than RAM: what a wrong guess reads would stay in the page cache
+        if not self.drop_page_cache:
+            self.advise(layer, expert, names)
 
     def discard(self, layer: str, expert: int, names) -> None:
         if self.drop_page_cache:
