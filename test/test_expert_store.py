@@ -384,6 +384,23 @@ class TestOffloadedMoE(_Files):
                 y_off = offloaded(x)
             torch.testing.assert_close(y_off, y, rtol=4 * 2**-23, atol=1e-7)
 
+    def test_exact_bf16_forward(self):
+        # bf16 experts: the unweighted outputs are kept in fp32 and weighted there, as the
+        # resident kernel weights them, whether the CPU's GEMMs run in bf16 or in fp32
+        torch.manual_seed(0)
+        model = _Model(num_shared_experts=1).to(torch.bfloat16)
+        path = self.path()
+        save_experts(model, path)
+        x = torch.randn(7, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        with torch.no_grad(), torch_moe.cpu.expert_form("per_group"):
+            y = model(x)
+        for cache_experts in (1, 3, E):
+            offloaded = copy.deepcopy(model)
+            store = offload_experts(offloaded, path, cache_experts=cache_experts)
+            self.addCleanup(store.close)
+            with torch.no_grad():
+                self.assertTrue(torch.equal(offloaded(x), y), f"cache {cache_experts}")
+
     @parametrize("form", ["auto", "batched"])
     def test_exact_whatever_the_process_form(self, form):
         # The store fixes the per-group form for its own kernel calls, over a process-wide

@@ -60,6 +60,8 @@ from torch_moe.nn.expert_store.cache import ExpertCache
 __all__ = ["OffloadedExperts", "PREFETCH"]
 
 PREFETCH = (None, "router", "previous")
+# layers past the next one that router prefetch hints
+HINT_LAYERS = 1
 
 
 class OffloadedExperts(nn.Module):
@@ -134,11 +136,17 @@ class OffloadedExperts(nn.Module):
             wanted = list(nxt._last_needed)
         C_ = nxt.cache.num_slots
         nxt.cache.prefetch(wanted[:C_], NEXT_LAYER, next_step=True, keep=wanted[C_:])
-        after = nxt._next
-        if self.prefetch == "router" and after is not None and nxt._next_router is not None:
-            # two layers ahead the guess is worth a read from the disk, not a slot: a hint that
-            # the tier reads ahead behind every load (a CPU file's pages into the page cache)
-            after.cache.hint(_predict(nxt._next_router, after, x_TD)[: after.cache.num_slots])
+        if self.prefetch != "router":
+            return
+        # further ahead the guess is worth a read from the disk, not a slot: hints that the
+        # tier reads ahead behind every load (a CPU file's pages into the page cache)
+        layer = nxt
+        for _ in range(HINT_LAYERS):
+            after, router = layer._next, layer._next_router
+            if after is None or router is None:
+                break
+            after.cache.hint(_predict(router, after, x_TD)[: after.cache.num_slots])
+            layer = after
 
     def _prefetch_prev_backward(self) -> None:
         prev = self._prev
