@@ -39,10 +39,12 @@ relative 1e-6 or so).
 Order: experts already resident first, then the missing ones; their slots are requested as far
 ahead as the cache allows, so the loads queue in the order the compute needs them.
 
-Prefetch: once its own loads are queued, a layer predicts the experts of the next layer by running the
-next layer's router on its own input (``prefetch="router"``) or takes the experts the next
-layer used last time (``"previous"``), and queues their loads behind its own; the backward of a
-layer prefetches exactly what the previous layer's forward used.
+Prefetch: once its own loads are queued, a layer predicts the experts of the next layer by
+running the next layer's router on its own input (``prefetch="router"``) or takes the experts
+the next layer used last time (``"previous"``), and queues their loads behind its own; with
+``"router"`` it also predicts the layer after that (:data:`HINT_LAYERS`) and hints those
+experts to the tier, which reads them ahead without a slot. The backward of a layer prefetches
+exactly what the previous layer's forward used.
 """
 
 import collections
