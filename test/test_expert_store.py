@@ -15,6 +15,7 @@ import contextlib
 import copy
 import os
 import struct
+import sys
 import tempfile
 import threading
 import unittest
@@ -89,6 +90,45 @@ class TestFormat(_Files):
             self.assertTrue(torch.equal(f.get(name), t))
         # the data starts on a page boundary (so the experts' pages are their own)
         self.assertEqual(f.byte_range("a")[0] % 4096, 0)
+        f.close()
+
+    def test_mapping_outlives_close_while_viewed(self):
+        # close() with views alive: the views stay readable, the mapping goes with the last one
+        t = torch.randn(64, 64)
+        write_safetensors(self.path(), {"a": t})
+        f = SafetensorsFile(self.path(), huge_pages=True)
+        view = f.get("a")
+        f.close()
+        self.assertTrue(torch.equal(view, t))
+
+    @unittest.skipUnless(sys.platform == "linux", "transparent huge pages and smaps: Linux")
+    def test_huge_folios_map_only_the_pages_asked_for(self):
+        # With huge pages the page cache holds the file in PMD-sized (2 MiB) folios, and a
+        # mapping whose address agrees with the file offset modulo 2 MiB would map a whole
+        # folio with one entry: populating one 1.5 MiB expert would map its neighbours, and
+        # unmapping it would unmap theirs. The file's mapping is one page off that alignment:
+        # the resident pages are those populated, and stay so when a neighbour is released.
+        expert = 3 * 128 * 1024 * 4  # 1.5 MiB: 3 tensors of fp32
+        write_safetensors(self.path(), {f"e{e}.{n}": torch.full((128, 1024), float(e))
+                                        for e in range(8) for n in "abc"})
+        f = SafetensorsFile(self.path(), huge_pages=True)
+        if not f.huge_pages:
+            f.close()
+            self.skipTest("no transparent huge pages in this kernel")
+        # (file offset 0 at an address off the 2 MiB alignment: no folio is ever PMD-mappable)
+        self.assertNotEqual(f.mapping_address() % (2 << 20), 0)
+        f.drop_page_cache()  # cold: the loads below fault the file in, in huge folios
+        span = {e: (f.byte_range(f"e{e}.a")[0], expert) for e in range(8)}
+        # fault-around (64 KiB by default) may map what the page cache holds on either side
+        slack = 2 * (64 << 10)
+        f.populate(*span[2])
+        f.populate(*span[3])
+        self.assertGreaterEqual(_mapping_rss(f.mapping_address()), 2 * expert)
+        self.assertLessEqual(_mapping_rss(f.mapping_address()), 2 * (expert + slack))
+        f.release(*span[2])
+        self.assertGreaterEqual(_mapping_rss(f.mapping_address()), expert)
+        self.assertLessEqual(_mapping_rss(f.mapping_address()), expert + slack)
+        self.assertTrue(torch.equal(f.get("e3.b"), torch.full((128, 1024), 3.0)))
         f.close()
 
     def _write_raw(self, header: bytes, data: bytes = b""):
@@ -238,15 +278,20 @@ class TestLoader(TestCase):
         self.assertLess(log.index(("hint", 1)), log.index(("run", 0)))
 
     def test_file_tier_hints_only_when_the_page_cache_may_keep_them(self):
+        # and only where POSIX_FADV_WILLNEED is how the tier reads ahead: with huge pages it
+        # would leave single-page folios behind (huge_pages False: a kernel without them)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "e.safetensors")
             write_safetensors(path, {"experts.0.w1": torch.randn(4, 4)})
-            for drop, calls in ((False, 1), (True, 0)):
+            for drop, huge, calls in ((False, False, 1), (False, True, 0), (True, False, 0)):
                 tier = FileTier(path, drop_page_cache=drop)
+                tier.file.huge_pages = huge
                 seen = []
                 tier.file.advise = lambda off, n: seen.append((off, n))
                 tier.hint("", 0, ["w1"])
-                self.assertEqual(len(seen), calls)
+                tier.advise("", 0, ["w1"])
+                self.assertEqual(len(seen), calls + (not huge))
+                self.assertEqual(tier.takes_hints, bool(calls))
                 tier.close()
 
 

@@ -17,6 +17,7 @@ import mmap
 import os
 import struct
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -40,14 +41,113 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux's values; mmap names neither
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14 if sys.platform == "linux" else -1)
 
 
 def _madvise(address: int, length: int, advice: int) -> None:
     if _libc.madvise(address, length, advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
+
+
 # a header larger than this is not a safetensors header (the format's own limit is 100 MB)
 _MAX_HEADER = 100_000_000
+
+
+def _pmd_size() -> int:
+    """What one page-middle-directory entry maps (a transparent huge page): 2 MiB on x86-64
+    and on arm64 with 4 KiB pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def _map_off_pmd(fd: int, length: int, pmd: int) -> int:
+    """Maps the file private (copy-on-write) at an address one page past a multiple of
+    ``pmd``, and returns that address.
+
+    The kernel maps a large page-cache folio with a single PMD entry wherever the mapping's
+    address and the file offset agree modulo ``pmd``, as its own choice of address makes them
+    do. Such an entry spans the neighbours of an expert (whose bytes need not start on a PMD
+    boundary in the file); unmapping any part of it unmaps all of it, and mapping one expert
+    would map its neighbours. One page off, every page is mapped by its own entry: what a
+    cache slot maps is exactly its expert's pages, whatever the folios' sizes."""
+    span = length + 2 * pmd
+    base = _libc.mmap(None, span, 0,  # PROT_NONE: an address range reserved, nothing mapped
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if base in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    address = -(-base // pmd) * pmd + _PAGE
+    got = _libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+    if got != address:
+        err = ctypes.get_errno()
+        _libc.munmap(base, span)
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    # what the reservation holds around the file's mapping goes back
+    _libc.munmap(base, address - base)
+    _libc.munmap(address + length, base + span - address - length)
+    return address
+
+
+class _FileMapping:
+    """A whole file mapped private (copy-on-write: no write reaches the file), as a buffer for
+    ``torch.frombuffer`` (``buffer``) at ``address``.
+
+    On Linux the mapping is made one page off the PMD alignment (:func:`_map_off_pmd`) and, with
+    ``huge_pages``, advised ``MADV_HUGEPAGE``: a page fault then reads the file into the page
+    cache in PMD-sized folios (where the file system has large folios), rather than in single
+    pages as ``POSIX_FADV_WILLNEED`` or a read that looks random does. Mapping 1.5 MiB experts
+    in and out of a page cache of large folios took 0.5-0.65 s of kernel time per decode run of
+    the offload benchmark, against 1.4-1.6 s out of single pages. Elsewhere, or if that fails,
+    ``mmap.mmap``.
+
+    The mapping is unmapped once :meth:`close` has been called and the last view of it is gone
+    (the views hold ``buffer``)."""
+
+    def __init__(self, fd: int, size: int, huge_pages: bool):
+        self._mm = None
+        self.address = None
+        length = -(-size // _PAGE) * _PAGE
+        if sys.platform == "linux":
+            try:
+                self.address = _map_off_pmd(fd, length, _pmd_size())
+            except OSError:
+                pass
+        if self.address is not None:
+            self.buffer = (ctypes.c_char * size).from_address(self.address)
+            # not at exit: a daemon thread may still read a view then
+            weakref.finalize(self.buffer, _libc.munmap, self.address, length).atexit = False
+        else:
+            self._mm = self.buffer = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            # a view's pointer; the view itself is dropped, or the mapping could not be closed
+            self.address = torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
+        self.huge_pages = False
+        if huge_pages:
+            try:
+                _madvise(self.address, length, _MADV_HUGEPAGE)
+                self.huge_pages = True
+            except OSError:  # no transparent huge pages in this kernel, or turned off
+                pass
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                # views of the mapping are still alive; the mapping goes with the last of them
+                pass
+        self._mm = self.buffer = None
 
 
 def write_safetensors(path, tensors: dict, metadata: Optional[dict] = None) -> None:
@@ -100,8 +200,9 @@ class SafetensorsFile:
     for :meth:`release` (drop the pages from this process's mapping, and optionally from the
     page cache)."""
 
-    def __init__(self, path):
+    def __init__(self, path, huge_pages: bool = False):
         self.path = os.fspath(path)
+        self._huge_pages = huge_pages
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
@@ -156,11 +257,12 @@ class SafetensorsFile:
                            f"runs past the data ({data_size} bytes)")
             end_seen = e
             self._entries[name] = (dtype, tuple(shape), b, e)
-        self._mm = (mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY) if size > 0 else None)
-        # where the mapping starts, for madvise (a view's pointer; the view itself is dropped,
-        # or the mapping could not be closed while it lived)
-        self._address = (torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
-                         if self._mm is not None else None)
+        self._map = _FileMapping(self._fd, size, self._huge_pages) if size > 0 else None
+        self._mm = self._map.buffer if self._map is not None else None
+        # where the mapping starts, for madvise
+        self._address = self._map.address if self._map is not None else None
+        # whether page faults read the file in PMD-sized folios (see _FileMapping)
+        self.huge_pages = self._map is not None and self._map.huge_pages
         self._buffers: dict = {}
 
     def keys(self):
@@ -267,7 +369,7 @@ class SafetensorsFile:
     def drop_page_cache(self) -> None:
         """Drops the whole file from this mapping and from the page cache (a cold start)."""
         if self._mm is not None:
-            self._mm.madvise(mmap.MADV_DONTNEED)
+            _madvise(self._address, len(self._mm), mmap.MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def mapping_address(self) -> Optional[int]:
@@ -276,13 +378,9 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._buffers = {}
-        if getattr(self, "_mm", None) is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                # views of the mapping are still alive; the mapping goes with the last of them
-                pass
-            self._mm = None
+        if getattr(self, "_map", None) is not None:
+            self._map.close()
+            self._map = self._mm = None
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None

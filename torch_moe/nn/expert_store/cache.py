@@ -249,6 +249,8 @@ class ExpertCache:
     def hint(self, experts: list) -> None:
         """``experts`` may be needed after the next step (a prediction two layers ahead): the
         tier may start reading those that are not resident, without a slot or a load."""
+        if not self.tier.takes_hints:
+            return
         names = list(self.spec.shapes)
         for e in experts:
             if e not in self._slot_of:

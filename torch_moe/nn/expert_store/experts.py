@@ -145,7 +145,7 @@ class OffloadedExperts(nn.Module):
         layer = nxt
         for _ in range(HINT_LAYERS):
             after, router = layer._next, layer._next_router
-            if after is None or router is None:
+            if after is None or router is None or not after.cache.tier.takes_hints:
                 break
             after.cache.hint(_predict(router, after, x_TD)[: after.cache.num_slots])
             layer = after

@@ -6,8 +6,12 @@ Two tiers behind one interface, :class:`SlowTier`:
   expert as its pages of the mapping, made resident when it is loaded and unmapped when it is
   evicted (the resident set holds the cache, not the file); a GPU cache copies the pages into
   its slots and unmaps them. With ``drop_page_cache`` the pages leave the page cache too, so
-  that every load reads the disk (a file larger than RAM). Loads queued behind the current one
-  are announced to the kernel (``POSIX_FADV_WILLNEED``), which reads them ahead.
+  that every load reads the disk (a file larger than RAM). The mapping is advised huge pages
+  (``MADV_HUGEPAGE``, but for a file larger than RAM): a load's page fault reads the file into
+  the page cache in PMD-sized folios, two at a time, which map in and out with a fraction of
+  the kernel's work per page. Without huge pages, loads queued behind the current one are
+  announced to the kernel (``POSIX_FADV_WILLNEED``, which reads into single-page folios), which
+  reads them ahead.
 * :class:`HostTier`: host tensors, pinned when the cache lives on a GPU (the GPU tier): copies
   from pinned memory to the device are asynchronous DMA on a side stream.
 
@@ -94,6 +98,8 @@ class SlowTier:
     in place rather than copies of them (see :mod:`torch_moe.nn.expert_store.cache`)."""
 
     maps_experts = False
+    # whether hint() reads anything ahead (a caller may then skip predicting what to hint)
+    takes_hints = False
 
     def views(self, layer: str, expert: int, names) -> dict:
         """name -> the expert's tensor, read where it lies (not resident until ``map_in``)."""
@@ -135,7 +141,9 @@ class FileTier(SlowTier):
     maps_experts = True
 
     def __init__(self, path, drop_page_cache: bool = False):
-        self.file = SafetensorsFile(path)
+        # PMD-sized page-cache folios, except for a file larger than RAM: dropping an expert's
+        # pages from the page cache drops no folio that reaches past them
+        self.file = SafetensorsFile(path, huge_pages=not drop_page_cache)
         self.drop_page_cache = drop_page_cache
         # per (layer, expert): its byte span and its views, made once (a load's bookkeeping
         # runs on the loader thread with the GIL held, so it is kept to a lookup)
@@ -200,9 +208,11 @@ class FileTier(SlowTier):
 
     def map_in(self, layer: str, expert: int, names) -> None:
         span = self._expert_span(layer, expert, names)
-        # the whole expert asked of the disk at once (a no-op for pages already cached, or
-        # already advised): populating alone would fault it in a readahead window at a time
-        self.file.advise(*span)
+        if not self.file.huge_pages:
+            # the whole expert asked of the disk at once (a no-op for pages already cached, or
+            # already advised): populating alone would fault it in a readahead window at a time
+            self.file.advise(*span)
+        # (with huge pages a fault reads PMD-sized folios, two at a time)
         self.file.populate(*span)
 
     def unmap(self, layer: str, expert: int, names) -> None:
@@ -213,12 +223,21 @@ class FileTier(SlowTier):
 
     def advise(self, layer: str, expert: int, names) -> None:
         # POSIX_FADV_WILLNEED queues the reads of the expert's pages and returns: the kernel
-        # reads them in the background, so several advised experts are in flight at once
-        self.file.advise(*self._expert_span(layer, expert, names))
+        # reads them in the background, so several advised experts are in flight at once. Not
+        # with huge pages: it reads into single-page folios, and they stay so (a load's fault
+        # reads PMD-sized folios, two at a time; reading ahead on a thread of its own, by
+        # faulting experts in through a second mapping, removed no stall)
+        if not self.file.huge_pages:
+            self.file.advise(*self._expert_span(layer, expert, names))
+
+    @property
+    def takes_hints(self) -> bool:
+        # not for a file larger than RAM (what a wrong guess reads would stay in the page
+        # cache), nor with huge pages (see advise)
+        return not self.drop_page_cache and not self.file.huge_pages
 
     def hint(self, layer: str, expert: int, names) -> None:
-        # not for a file larger than RAM: what a wrong guess reads would stay in the page cache
-        if not self.drop_page_cache:
+        if self.takes_hints:
             self.advise(layer, expert, names)
 
     def discard(self, layer: str, expert: int, names) -> None:
