@@ -336,24 +336,53 @@ def main() -> None:
     tmp.cleanup()
 
 
-def _series(rows):
-    """(label, [(cache fraction, throughput / resident)]) per line of the plot."""
+def _series(rows, column="vs_resident", workloads=(("decode", "uniform"), ("decode", "zipf"),
+                                                   ("batch", "uniform"))):
+    """(label, [(cache fraction, ``column``)]) per line of the plot."""
     out = []
-    for work, routing in (("decode", "uniform"), ("decode", "zipf"), ("batch", "uniform")):
+    for work, routing in workloads:
         for policy, prefetch in (("lru", "off"), ("lru", "router"), ("lfu", "router")):
-            pts = sorted((float(r["cache_frac"]), float(r["vs_resident"])) for r in rows
+            pts = sorted((float(r["cache_frac"]), float(r[column])) for r in rows
                          if r["workload"] == work and r["routing"] == routing
                          and r.get("policy") == policy and r.get("prefetch") == prefetch
-                         and r.get("tier") == "file")
+                         and r.get("tier") == "file" and r.get(column))
             if pts:
                 out.append((f"{work} {routing} {policy} prefetch {prefetch}", pts))
     return out
 
 
 def plot(rows, out: Path) -> None:
-    """Throughput against cache size."""
-    line_plot(out, _series(rows), "cache size / experts per layer",
-              "throughput / all-resident (cold file)", hline=1.0)
+    """Throughput against cache size: the cold runs, and decode once the page cache holds what
+    the run read (its last 8 steps), side by side."""
+    cold = _series(rows)
+    warm = _series(rows, "x_warm", (("decode", "uniform"), ("decode", "zipf")))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the harness writes an SVG of the cold panel by hand
+        line_plot(out, cold, "cache size / experts per layer",
+                  "throughput / all-resident (cold file)", hline=1.0)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    styles = {}
+    for ax, series, title in ((axes[0], cold, "file cold (page cache dropped)"),
+                              (axes[1], warm, "decode, page cache warm (last 8 steps)")):
+        for label, pts in series:
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=label,
+                            **styles.get(label, {}))
+            styles.setdefault(label, {"color": line.get_color()})
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("cache size / experts per layer")
+    axes[0].set_ylabel("throughput / all-resident")
+    axes[0].legend(fontsize=6, loc="upper left")
+    fig.savefig(out, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
