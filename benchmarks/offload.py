@@ -27,7 +27,7 @@ budget (slot bytes), and whether the outputs equal the resident model's (torch.e
 resident model computes in the per-group expert GEMM form, the default and the one the store's
 passes use).
 
-    python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~6 min
+    python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~3 min
     python benchmarks/offload.py --quick    # L=4, a smaller file: under a minute
     python benchmarks/offload.py --plot-only benchmarks/results/offload.csv
 """
