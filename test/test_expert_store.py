@@ -13,12 +13,14 @@ made explicit); against the ``"auto"`` form, which batches runs of small experts
 
 import contextlib
 import copy
+import gc
 import os
 import struct
 import sys
 import tempfile
 import threading
 import unittest
+from unittest import mock
 
 import torch
 from torch import nn
@@ -40,7 +42,7 @@ from torch_moe.nn.expert_store import (
     offload_experts,
     save_experts,
 )
-from torch_moe.nn.expert_store._format import SafetensorsFile, write_safetensors
+from torch_moe.nn.expert_store._format import SafetensorsFile, _pmd_size, write_safetensors
 from torch_moe.nn.expert_store._loader import NEXT_LAYER, InlineLoader, ThreadLoader
 from torch_moe.nn.expert_store.policy import LFU, LRU
 
@@ -97,9 +99,34 @@ class TestFormat(_Files):
         t = torch.randn(64, 64)
         write_safetensors(self.path(), {"a": t})
         f = SafetensorsFile(self.path(), huge_pages=True)
-        view = f.get("a")
+        view, address = f.get("a"), f.mapping_address()
         f.close()
         self.assertTrue(torch.equal(view, t))
+        if sys.platform == "linux":
+            self.assertTrue(_mapped(address))
+            del view
+            gc.collect()
+            self.assertFalse(_mapped(address))
+
+    def test_huge_pages_only_where_the_page_cache_has_large_folios(self):
+        # MADV_HUGEPAGE is accepted everywhere THP is built in; only a file system with large
+        # page-cache folios turns it into PMD-sized reads. Elsewhere the file keeps the
+        # single-page path (POSIX_FADV_WILLNEED read-ahead), which huge_pages=False says.
+        import torch_moe.nn.expert_store._format as fmt
+        write_safetensors(self.path(), {"a": torch.randn(4, 4)})
+        for fs, release, thp, expected in (("btrfs", "6.18.0", True, False),
+                                           ("ext4", "6.12.9-amd64", True, False),
+                                           ("ext4", "6.18.44-x", False, False),
+                                           ("xfs", "6.1.0", True, True)):
+            with mock.patch.object(fmt, "_file_system", return_value=fs), \
+                 mock.patch.object(fmt, "_thp_enabled", return_value=thp), \
+                 mock.patch.object(fmt.os, "uname",
+                                   return_value=os.uname_result(("Linux", "h", release, "", ""))):
+                self.assertEqual(fmt._large_folio_page_cache(0), expected, (fs, release, thp))
+                if sys.platform == "linux":
+                    f = SafetensorsFile(self.path(), huge_pages=True)
+                    self.assertEqual(f.huge_pages, expected)
+                    f.close()
 
     @unittest.skipUnless(sys.platform == "linux", "transparent huge pages and smaps: Linux")
     def test_huge_folios_map_only_the_pages_asked_for(self):
@@ -114,9 +141,10 @@ class TestFormat(_Files):
         f = SafetensorsFile(self.path(), huge_pages=True)
         if not f.huge_pages:
             f.close()
-            self.skipTest("no transparent huge pages in this kernel")
-        # (file offset 0 at an address off the 2 MiB alignment: no folio is ever PMD-mappable)
-        self.assertNotEqual(f.mapping_address() % (2 << 20), 0)
+            self.skipTest("no large page-cache folios here (transparent huge pages off, or a "
+                          "file system without them)")
+        # (file offset 0 at an address off the PMD alignment: no folio is ever PMD-mappable)
+        self.assertNotEqual(f.mapping_address() % _pmd_size(), 0)
         f.drop_page_cache()  # cold: the loads below fault the file in, in huge folios
         span = {e: (f.byte_range(f"e{e}.a")[0], expert) for e in range(8)}
         # fault-around (64 KiB by default) may map what the page cache holds on either side
@@ -293,6 +321,13 @@ class TestLoader(TestCase):
                 self.assertEqual(len(seen), calls + (not huge))
                 self.assertEqual(tier.takes_hints, bool(calls))
                 tier.close()
+
+
+def _mapped(address) -> bool:
+    """Whether a mapping starts at ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        return any(line.split("-", 1)[0] == f"{address:x}" for line in f
+                   if "-" in line.split()[0] and not line.split()[0].endswith(":"))
 
 
 def _mapping_rss(address) -> int:

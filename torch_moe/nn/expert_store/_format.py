@@ -71,6 +71,51 @@ def _pmd_size() -> int:
         return 2 << 20
 
 
+def _thp_enabled() -> bool:
+    """Whether transparent huge pages are on (``always`` or ``madvise``): the kernel accepts
+    ``MADV_HUGEPAGE`` even when they are ``never``."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _kernel_version() -> tuple:
+    try:
+        return tuple(int(p) for p in os.uname().release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return (0, 0)
+
+
+def _file_system(fd: int) -> Optional[str]:
+    """The type of the file system holding the open file ``fd``, from ``/proc/self/mountinfo``
+    (the mount whose device is the file's)."""
+    st = os.fstat(fd)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == dev and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        pass
+    return None
+
+
+# file systems whose page cache holds large folios for regular files, from the kernel release
+# that added them (a file system left out keeps single-page folios as far as this code knows)
+_LARGE_FOLIOS = {"xfs": (5, 18), "ext4": (6, 16)}
+
+
+def _large_folio_page_cache(fd: int) -> bool:
+    """Whether a fault in a ``MADV_HUGEPAGE`` mapping of ``fd`` reads PMD-sized folios:
+    transparent huge pages on, and a file system that keeps large folios in its page cache."""
+    since = _LARGE_FOLIOS.get(_file_system(fd) or "")
+    return since is not None and _kernel_version() >= since and _thp_enabled()
+
+
 def _map_off_pmd(fd: int, length: int, pmd: int) -> int:
     """Maps the file private (copy-on-write) at an address one page past a multiple of
     ``pmd``, and returns that address.
@@ -92,8 +137,11 @@ def _map_off_pmd(fd: int, length: int, pmd: int) -> int:
                      mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
     if got != address:
         err = ctypes.get_errno()
+        if got not in (None, _MAP_FAILED):  # mapped, but elsewhere: not what was asked
+            _libc.munmap(got, length)
+            err = 0
         _libc.munmap(base, span)
-        raise OSError(err, f"mmap: {os.strerror(err)}")
+        raise OSError(err, f"mmap at {address:#x}: {os.strerror(err) if err else 'moved'}")
     # what the reservation holds around the file's mapping goes back
     _libc.munmap(base, address - base)
     _libc.munmap(address + length, base + span - address - length)
@@ -105,9 +153,10 @@ class _FileMapping:
     ``torch.frombuffer`` (``buffer``) at ``address``.
 
     On Linux the mapping is made one page off the PMD alignment (:func:`_map_off_pmd`) and, with
-    ``huge_pages``, advised ``MADV_HUGEPAGE``: a page fault then reads the file into the page
-    cache in PMD-sized folios (where the file system has large folios), rather than in single
-    pages as ``POSIX_FADV_WILLNEED`` or a read that looks random does. Mapping 1.5 MiB experts
+    ``huge_pages`` where the page cache can hold large folios (:func:`_large_folio_page_cache`),
+    advised ``MADV_HUGEPAGE``: a page fault then reads the file into the page cache in
+    PMD-sized folios, rather than in single pages as ``POSIX_FADV_WILLNEED`` or a read that
+    looks random does. ``huge_pages`` says whether that is so. Mapping 1.5 MiB experts
     in and out of a page cache of large folios took 0.5-0.65 s of kernel time per decode run of
     the offload benchmark, against 1.4-1.6 s out of single pages. Elsewhere, or if that fails,
     ``mmap.mmap``.
@@ -129,24 +178,21 @@ class _FileMapping:
             # not at exit: a daemon thread may still read a view then
             weakref.finalize(self.buffer, _libc.munmap, self.address, length).atexit = False
         else:
+            # the kernel's address: PMD-mappable, so no huge pages (see _map_off_pmd)
             self._mm = self.buffer = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-            # a view's pointer; the view itself is dropped, or the mapping could not be closed
             self.address = torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
         self.huge_pages = False
-        if huge_pages:
+        if huge_pages and self._mm is None and _large_folio_page_cache(fd):
             try:
                 _madvise(self.address, length, _MADV_HUGEPAGE)
                 self.huge_pages = True
-            except OSError:  # no transparent huge pages in this kernel, or turned off
+            except OSError:  # a kernel built without transparent huge pages
                 pass
 
     def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                # views of the mapping are still alive; the mapping goes with the last of them
-                pass
+        # Drops this reference only. Views hold the buffer (torch.frombuffer keeps its object):
+        # the mapping goes with the last of them (mmap.close() would unmap it under them, as
+        # the views have released their buffer exports).
         self._mm = self.buffer = None
 
 
@@ -339,7 +385,8 @@ class SafetensorsFile:
         pages stay in the page cache), and with ``page_cache`` drops them from the page cache too
         (``POSIX_FADV_DONTNEED``: the next read goes to the disk). In that order: the kernel does
         not drop pages that a process still maps."""
-        if length <= 0 or self._mm is None:
+        mapping = self._mm  # alive for the call, whatever close() does meanwhile
+        if length <= 0 or mapping is None:
             return
         lo = offset - offset % _PAGE
         _madvise(self._address + lo, offset + length - lo, mmap.MADV_DONTNEED)
@@ -350,13 +397,14 @@ class SafetensorsFile:
         """Maps ``[offset, offset + length)`` into this process, reading what the page cache
         lacks from the disk, and returns when it is resident (``MADV_POPULATE_READ``, Linux 5.14;
         elsewhere by reading a byte of every page)."""
-        if length <= 0 or self._mm is None:
+        mapping = self._mm  # alive for the call, whatever close() does meanwhile
+        if length <= 0 or mapping is None:
             return
         lo = offset - offset % _PAGE
         try:
             _madvise(self._address + lo, offset + length - lo, _MADV_POPULATE_READ)
         except OSError:
-            touch = torch.frombuffer(self._mm, dtype=torch.uint8, count=offset + length - lo,
+            touch = torch.frombuffer(mapping, dtype=torch.uint8, count=offset + length - lo,
                                      offset=lo)
             int(touch[::_PAGE].sum())
 
@@ -368,8 +416,9 @@ class SafetensorsFile:
 
     def drop_page_cache(self) -> None:
         """Drops the whole file from this mapping and from the page cache (a cold start)."""
-        if self._mm is not None:
-            _madvise(self._address, len(self._mm), mmap.MADV_DONTNEED)
+        mapping = self._mm
+        if mapping is not None:
+            _madvise(self._address, len(mapping), mmap.MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def mapping_address(self) -> Optional[int]:

@@ -43,7 +43,8 @@ Prefetch: once its own loads are queued, a layer predicts the experts of the nex
 running the next layer's router on its own input (``prefetch="router"``) or takes the experts
 the next layer used last time (``"previous"``), and queues their loads behind its own; with
 ``"router"`` it also predicts the layer after that (:data:`HINT_LAYERS`) and hints those
-experts to the tier, which reads them ahead without a slot. The backward of a layer prefetches
+experts to a tier that takes hints (``takes_hints``: the file tier over a page cache of single
+pages), which reads them ahead without a slot. The backward of a layer prefetches
 exactly what the previous layer's forward used.
 """
 

@@ -6,12 +6,13 @@ Two tiers behind one interface, :class:`SlowTier`:
   expert as its pages of the mapping, made resident when it is loaded and unmapped when it is
   evicted (the resident set holds the cache, not the file); a GPU cache copies the pages into
   its slots and unmaps them. With ``drop_page_cache`` the pages leave the page cache too, so
-  that every load reads the disk (a file larger than RAM). The mapping is advised huge pages
-  (``MADV_HUGEPAGE``, but for a file larger than RAM): a load's page fault reads the file into
-  the page cache in PMD-sized folios, two at a time, which map in and out with a fraction of
-  the kernel's work per page. Without huge pages, loads queued behind the current one are
-  announced to the kernel (``POSIX_FADV_WILLNEED``, which reads into single-page folios), which
-  reads them ahead.
+  that every load reads the disk (a file larger than RAM). Where the page cache can hold large
+  folios (transparent huge pages on; XFS, or ext4 from Linux 6.16) the mapping is advised huge
+  pages (``MADV_HUGEPAGE``, but for a file larger than RAM): a load's page fault reads the file
+  into the page cache in PMD-sized folios, two at a time, which map in and out with a fraction
+  of the kernel's work per page. Elsewhere loads queued behind the current one are announced to
+  the kernel (``POSIX_FADV_WILLNEED``, which reads into single-page folios), which reads them
+  ahead.
 * :class:`HostTier`: host tensors, pinned when the cache lives on a GPU (the GPU tier): copies
   from pinned memory to the device are asynchronous DMA on a side stream.
 
