@@ -19,6 +19,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 import unittest
 from unittest import mock
 
@@ -287,6 +288,55 @@ class TestLoader(TestCase):
                 self.assertLess(log.index(("advise", j)), log.index(("run", i)), log)
 
 
+    def test_tickets_wait_for_their_load_once_and_for_all(self):
+        # a ticket is ready only once its load has run, wait() blocks until then, and both
+        # stay so after any number of waits; an error in the load reaches the waiter
+        loader = ThreadLoader()
+        self.addCleanup(loader.close)
+        gate, ran = threading.Event(), []
+        self.addCleanup(gate.set)  # (cleanups run last first: before the loader's close)
+        ticket = loader.submit(lambda nb: (gate.wait(), ran.append(1)))
+        time.sleep(0.05)
+        self.assertFalse(loader.ready(ticket))
+        threading.Timer(0.05, gate.set).start()
+        loader.wait(ticket)
+        self.assertEqual(ran, [1])
+        self.assertTrue(loader.ready(ticket))
+        self.assertEqual(loader.wait(ticket), 0.0)
+        self.assertTrue(loader.ready(ticket))
+
+        def fail(nb):
+            raise OSError("disk gone")
+
+        ticket = loader.submit(fail)
+        with self.assertRaisesRegex(RuntimeError, "loading an expert failed: disk gone"):
+            loader.wait(ticket)
+        self.assertTrue(loader.ready(ticket))
+
+    def test_loads_carry_advice_only_to_a_tier_that_takes_it(self):
+        # the loader looks for advice to give only while a queued load carries some: with huge
+        # pages the file tier takes none, and the loads are queued without it
+        for takes in (False, True):
+            loader = ThreadLoader()
+            self.addCleanup(loader.close)
+            cache, _ = _cache(num_slots=4, loader=loader)
+            advised, submit = [], loader.submit
+
+            def spy(job, priority=0, slot_key=None, advise=None):
+                advised.append(advise is not None)
+                return submit(job, priority, slot_key, advise)
+
+            loader.submit = spy
+            cache.tier.takes_advice = takes
+            cache.tier.advise = lambda layer, e, names: advised.append(("given", e))
+            cache.begin_step([0, 1, 2])
+            cache.release(cache.acquire([0, 1, 2]))
+            cache.end_step()
+            self.assertEqual([a for a in advised if a in (True, False)], [takes] * 3)
+            self.assertEqual(sorted(a[1] for a in advised if isinstance(a, tuple)),
+                             [0, 1, 2] if takes else [])
+            self.assertEqual(loader._advised, 0)
+
     def test_hints_are_advised_once_and_run_nothing(self):
         loader = ThreadLoader(readahead=2)
         self.addCleanup(loader.close)
@@ -320,6 +370,7 @@ class TestLoader(TestCase):
                 tier.advise("", 0, ["w1"])
                 self.assertEqual(len(seen), calls + (not huge))
                 self.assertEqual(tier.takes_hints, bool(calls))
+                self.assertEqual(tier.takes_advice, not huge)
                 tier.close()
 
 

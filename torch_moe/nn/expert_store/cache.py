@@ -108,6 +108,8 @@ class ExpertCache:
         self._step = 0
         self._reads: Counter = Counter()      # (step, expert) -> reads
         self._lock = threading.Lock()         # the loader thread updates loads / bytes / reads
+        self._names = list(spec.shapes)
+        self._nbytes = spec.nbytes()
         self.stats = CacheStats()
 
     # -- steps ------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ class ExpertCache:
         for slot, e in enumerate(self._expert):
             ticket = self._ticket[slot]
             if (e is not None and self._prefetched[slot] and e not in self._reserved
-                    and ticket is not None and not ticket.done.is_set()):
+                    and ticket is not None and not self.loader.ready(ticket)):
                 self._gen[slot] += 1
                 del self._slot_of[e]
                 self._expert[slot] = None
@@ -281,8 +283,7 @@ class ExpertCache:
         self._expert[slot] = expert
         self._slot_of[expert] = slot
         self._prefetched[slot] = prefetched
-        nbytes = self.spec.nbytes()
-        names = list(self.spec.shapes)
+        nbytes, names = self._nbytes, self._names
         if self.mapped:
             views = self.tier.views(self.layer, expert, names)
             for name in names:
@@ -316,7 +317,7 @@ class ExpertCache:
                 s.max_reads_per_step = max(s.max_reads_per_step, self._reads[(step, expert)])
 
         self._ticket[slot] = self.loader.submit(job, priority, slot_key=(id(self), slot),
-                                                advise=advise)
+                                                advise=advise if self.tier.takes_advice else None)
 
     def stacked(self, slots: list):
         """The weights of ``slots`` as ``[n, ...]`` tensors for the fused op, and the index of

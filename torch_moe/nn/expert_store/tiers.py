@@ -99,7 +99,8 @@ class SlowTier:
     in place rather than copies of them (see :mod:`torch_moe.nn.expert_store.cache`)."""
 
     maps_experts = False
-    # whether hint() reads anything ahead (a caller may then skip predicting what to hint)
+    # whether advise() / hint() read anything ahead (a caller may then skip giving them)
+    takes_advice = False
     takes_hints = False
 
     def views(self, layer: str, expert: int, names) -> dict:
@@ -122,7 +123,8 @@ class SlowTier:
 
     def advise(self, layer: str, expert: int, names) -> None:
         """Expert ``expert`` of ``layer`` (its tensors ``names``) will be read soon: start
-        fetching it, without waiting. Nothing to do where the experts are in memory."""
+        fetching it, without waiting. Nothing to do where the experts are in memory. Called only
+        where ``takes_advice`` (a tier that reads ahead sets it)."""
 
     def discard(self, layer: str, expert: int, names) -> None:
         """An advised read of the expert will not happen after all."""
@@ -230,6 +232,10 @@ class FileTier(SlowTier):
         # faulting experts in through a second mapping, removed no stall)
         if not self.file.huge_pages:
             self.file.advise(*self._expert_span(layer, expert, names))
+
+    @property
+    def takes_advice(self) -> bool:
+        return not self.file.huge_pages
 
     @property
     def takes_hints(self) -> bool:
