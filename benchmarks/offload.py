@@ -24,10 +24,10 @@ Reported: tokens/s and its ratio to the resident model (its experts read back fr
 and timed right after each configuration, on the same inputs: the speed of a shared machine
 drifts over minutes, the ratio of neighbouring runs much less), hit rate, stall seconds
 (compute thread waiting for loads), prefetch hits and issued, MiB moved per token, max reads of
-an expert per step, RSS (VmRSS, and the Rss of the file's mapping from /proc/self/smaps) against the cache
-budget (slot bytes), and whether the outputs equal the resident model's (torch.equal; the
-resident model computes in the per-group expert GEMM form, the default and the one the store's
-passes use).
+an expert per step, RSS (VmRSS, and the Rss of the file's mapping from /proc/self/smaps)
+against the cache budget (slot bytes), and whether the outputs equal the resident model's
+(torch.equal; the resident model computes in the per-group expert GEMM form, the default and
+the one the store's passes use).
 
     python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~5 min
     python benchmarks/offload.py --quick    # L=4, a smaller file: under a minute

@@ -9,9 +9,9 @@
   file tier ``POSIX_FADV_WILLNEED`` on the expert's bytes where its page cache is of single
   pages; where it reads huge folios its loads carry no advice, and the thread looks for none):
   the kernel then reads them from the disk in the background, many requests in flight, while
-  the thread copies one at a time. One read at a time reaches a fraction of what the disk gives with a deep queue (measured on
-  1.5 MiB experts read cold in random order: 0.73 GB/s one by one, 1.84 GB/s with 16 advised
-  ahead).
+  the thread copies one at a time. One read at a time reaches a fraction of what the disk gives
+  with a deep queue (measured on 1.5 MiB experts read cold in random order: 0.73 GB/s one by
+  one, 1.84 GB/s with 16 advised ahead).
 * :class:`StreamLoader` (CUDA): copies are issued at once, ``non_blocking``, on a side stream;
   an event recorded after each copy is what the compute stream waits on (no host stall), and a
   slot is overwritten only after the compute stream has passed the event recorded when its
