@@ -385,10 +385,11 @@ def _series(rows, column="vs_resident", workloads=(("decode", "uniform"), ("deco
     out = []
     for work, routing in workloads:
         for policy, prefetch in (("lru", "off"), ("lru", "router"), ("lfu", "router")):
-            pts = sorted((float(r["cache_frac"]), float(r[column]), spread(r)) for r in rows
-                         if r["workload"] == work and r["routing"] == routing
-                         and r.get("policy") == policy and r.get("prefetch") == prefetch
-                         and r.get("tier") == "file" and r.get(column))
+            pts = sorted(((float(r["cache_frac"]), float(r[column]), spread(r)) for r in rows
+                          if r["workload"] == work and r["routing"] == routing
+                          and r.get("policy") == policy and r.get("prefetch") == prefetch
+                          and r.get("tier") == "file" and r.get(column)),
+                         key=lambda p: p[0])  # (a range may be None: not compared)
             if pts:
                 out.append((f"{work} {routing} {policy} prefetch {prefetch}", pts))
     return out
