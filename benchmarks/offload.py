@@ -23,14 +23,18 @@ skewed expert popularity of trained models).
 Reported: tokens/s and its ratio to the resident model (its experts read back from the file
 and timed right after each configuration, on the same inputs: the speed of a shared machine
 drifts over minutes, the ratio of neighbouring runs much less), hit rate, stall seconds
-(compute thread waiting for loads), prefetch hits and issued, MiB moved per token, max reads of
-an expert per step, RSS (VmRSS, and the Rss of the file's mapping from /proc/self/smaps)
+(compute thread waiting for loads), prefetch hits and issued, MiB moved per token, MiB read
+from the disk (the file's block device, from /sys/dev/block), max reads of an expert per step,
+RSS (VmRSS, and the Rss of the file's mapping from /proc/self/smaps)
 against the cache budget (slot bytes), and whether the outputs equal the resident model's
 (torch.equal; the resident model computes in the per-group expert GEMM form, the default and
-the one the store's passes use).
+the one the store's passes use). The decode rows at a quarter of the experts (the targets of
+RFC part 8.1) run ``--repeats`` times (each column the median of the runs, with the range of the
+speed ratios and of the stall); a last table sets them against the targets (0.5x the resident
+speed with prefetch; prefetch removing half the stall it has without).
 
-    python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~5 min
-    python benchmarks/offload.py --quick    # L=4, a smaller file: under a minute
+    python benchmarks/offload.py            # L=16, E=64, D=512, F=256 (1.5 GiB of experts): ~9 min
+    python benchmarks/offload.py --quick    # L=4, a smaller file: about a minute
     python benchmarks/offload.py --plot-only benchmarks/results/offload.csv
 """
 
@@ -134,6 +138,18 @@ def verify_fadvise(path: str, nbytes: int) -> dict:
     return {"cold_GBps": cold, "warm_GBps": warm, "cold_again_GBps": cold2}
 
 
+def disk_read_bytes(path: str):
+    """Bytes read so far from the block device that holds ``path`` (``/sys/dev/block/M:m/stat``,
+    sectors read), or None where there is no such device (not Linux, an overlay or network
+    file system): what a run read from the disk, rather than from the page cache."""
+    dev = os.stat(path).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            return int(f.read().split()[2]) * 512
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def decode_steps(D: int, reps: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(T, D, generator=g) for _ in range(reps) for T in range(1, 9)]
@@ -182,7 +198,7 @@ def main() -> None:
     ap.add_argument("--csv", default=None,
                     help="output CSV (default results/offload.csv; results/offload_quick.csv with "
                          "--quick, so that a quick run leaves the kept results and plot alone)")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=int, default=5,
                     help="cold runs of each decode configuration at a quarter of the experts (the "
                          "median is reported)")
     ap.add_argument("--threads", type=int, default=1,
@@ -301,6 +317,7 @@ def main() -> None:
         store.drop_page_cache()  # cold: nothing of the file in memory
         inputs = decode_in if work == "decode" else batch_in
         ntok = sum(x.size(0) for x in inputs)
+        disk0 = disk_read_bytes(path)
         if work == "decode":
             # the last repetition apart: its numbers are those of a page cache warmed by the run
             t1, outs = run_steps(model, inputs[:-8])
@@ -310,6 +327,7 @@ def main() -> None:
         else:
             t, outs = run_steps(model, inputs, backward=work == "batch_bwd")
         s = store.stats()
+        disk1 = disk_read_bytes(path)
         exact = all(torch.equal(a, b) for a, b in zip(outs, reference[(work, routing)][1]))
         status = proc_status()
         map_rss = mapping_rss(store.tier.file.mapping_address())
@@ -333,6 +351,7 @@ def main() -> None:
             "stall_frac": round(s.stall_s / t, 3),
             "prefetch_hits": s.prefetch_hits, "prefetches": s.prefetches,
             "MiB_per_token": round(s.bytes_moved / ntok / 2**20, 2),
+            "disk_MiB": round((disk1 - disk0) / 2**20) if disk0 is not None else "",
             "max_reads_per_step": s.max_reads_per_step, "exact": exact,
             "budget_MiB": round(budget / 2**20), "RSS_MiB": round(status["VmRSS"] / 2**20),
             "RSS_over_base_MiB": round((status["VmRSS"] - base["VmRSS"]) / 2**20),
@@ -343,16 +362,10 @@ def main() -> None:
     for i, config in enumerate(configs):
         work, routing, C, policy, prefetch, disk = config
         # the decode target's rows (a quarter of the experts cached) several times: now and then
-        # a cold run takes up to twice as long as its neighbours on this kind of machine; the
-        # median run is reported, with the range of all
+        # a cold run takes up to twice as long as its neighbours on this kind of machine; each
+        # column is the median of the runs, with the range of the speeds and of the stall
         n = args.repeats if work == "decode" and C == E // 4 and not disk else 1
-        runs = sorted((measure(*config) for _ in range(n)), key=lambda r: r["vs_resident"])
-        row = runs[(n - 1) // 2]  # the median (the lower of two)
-        row["runs"] = n
-        if n > 1:
-            for col in ("vs_resident", "x_warm"):
-                vals = sorted(r[col] for r in runs)
-                row[f"{col}_range"] = f"{vals[0]}-{vals[-1]}"
+        row = median_row([measure(*config) for _ in range(n)])
         rows.append(row)
         log(f"[{i + 1}/{len(configs)}] {work} {routing} C={C} {policy} prefetch={prefetch} "
             f"{'disk' if disk else 'file'}: {row['tokens_per_s']} tok/s ({row['vs_resident']}x"
@@ -364,14 +377,79 @@ def main() -> None:
 
     cols = ["workload", "routing", "cache", "cache_frac", "policy", "prefetch", "tier",
             "tokens_per_s", "resident_tok_s", "vs_resident", "runs", "vs_resident_range",
-            "hit_rate", "stall_s", "stall_frac", "tok_s_warm", "x_warm", "x_warm_range",
-            "hit_warm", "stall_warm_s", "prefetch_hits", "prefetches", "MiB_per_token",
-            "max_reads_per_step", "exact", "budget_MiB", "RSS_over_base_MiB", "map_RSS_MiB"]
+            "hit_rate", "stall_s", "stall_s_range", "stall_frac", "tok_s_warm", "x_warm",
+            "x_warm_range", "hit_warm", "stall_warm_s", "prefetch_hits", "prefetches",
+            "MiB_per_token", "disk_MiB", "max_reads_per_step", "exact", "budget_MiB",
+            "RSS_over_base_MiB", "map_RSS_MiB"]
     print(format_table(rows, cols))
+    print(format_table(target_rows(rows, E), TARGET_COLS))
     write_csv(args.csv, rows)
     print(f"wrote {args.csv}")
     plot(rows, ROOT / "figures" / f"offload_throughput{suffix}.png")
     tmp.cleanup()
+
+
+# columns measured anew by every run of a configuration (the rest describe it, or, as RSS and
+# the counters of loads, are the same in every run up to a page or two)
+MEASURED = ("tokens_per_s", "resident_tok_s", "vs_resident", "stall_s", "stall_frac",
+            "tok_s_warm", "x_warm", "stall_warm_s", "time_s", "disk_MiB")
+RANGED = ("vs_resident", "x_warm", "stall_s")
+
+
+def median_row(runs: list) -> dict:
+    """One row for repeated runs of a configuration: each measured column the median of its
+    runs (the lower of the middle two for an even count), with the range of the runs for
+    ``RANGED``; the other columns those of the run of median speed. ``exact`` only if every
+    run was."""
+    n = len(runs)
+    mid = (n - 1) // 2
+    row = dict(sorted(runs, key=lambda r: r["vs_resident"])[mid])
+    row["runs"] = n
+    row["exact"] = all(r["exact"] for r in runs)
+    if n == 1:
+        return row
+    for col in MEASURED:
+        vals = sorted(r[col] for r in runs if r.get(col) not in (None, ""))
+        if vals:
+            row[col] = vals[mid] if len(vals) == n else row[col]
+            if col in RANGED:
+                row[f"{col}_range"] = f"{vals[0]}-{vals[-1]}"
+    return row
+
+
+TARGET_COLS = ["routing", "policy", "x_resident_cold", "cold_range", "x_resident_warm",
+               "stall_off_s", "stall_router_s", "stall_removed", "stall_removed_warm",
+               "disk_MiB"]
+
+
+def target_rows(rows, E: int) -> list:
+    """The decode rows at a quarter of the experts (file tier) against the targets of RFC part
+    8.1: the speed with router prefetch relative to the resident model (target 0.5x), and the
+    share of the stall without prefetch that prefetch removes (target: half), cold and warm."""
+
+    def removed(on_s, off_s):
+        return round(1 - on_s / off_s, 3) if off_s else ""  # no stall to remove
+
+    out = []
+    for routing in ("uniform", "zipf"):
+        for policy in ("lru", "lfu"):
+            pick = {r.get("prefetch"): r for r in rows
+                    if r["workload"] == "decode" and r["routing"] == routing
+                    and r.get("policy") == policy and r.get("tier") == "file"
+                    and r["cache"] == E // 4}
+            off, on = pick.get("off"), pick.get("router")
+            if off is None or on is None:
+                continue
+            out.append({
+                "routing": routing, "policy": policy,
+                "x_resident_cold": on["vs_resident"], "cold_range": on.get("vs_resident_range", ""),
+                "x_resident_warm": on["x_warm"],
+                "stall_off_s": off["stall_s"], "stall_router_s": on["stall_s"],
+                "stall_removed": removed(on["stall_s"], off["stall_s"]),
+                "stall_removed_warm": removed(on["stall_warm_s"], off["stall_warm_s"]),
+                "disk_MiB": on.get("disk_MiB", ""),
+            })
+    return out
 
 
 def _series(rows, column="vs_resident", workloads=(("decode", "uniform"), ("decode", "zipf"),
@@ -424,6 +502,7 @@ def plot(rows, out: Path) -> None:
                     xj = x * 2 ** (0.04 * (j - len(series) / 2))
                     ax.plot([xj, xj], lo_hi, "-", lw=1.2, alpha=0.7, color=line.get_color())
         ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.5, color="k", lw=0.6, ls="--")  # the decode target at a quarter
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.05)
         ax.set_title(title, fontsize=9)
