@@ -458,6 +458,15 @@ class TestOffloadedMoE(_Files):
         model = _Model(num_shared_experts=1, top_k=3)
         self._compare(model, cache_experts, policy, prefetch)
 
+    @parametrize("policy", ["lru", "lfu"])
+    def test_exact_every_cache_size(self, policy):
+        # every cache size from one expert per layer to all of them (router prefetch, training
+        # steps between): a step needs several passes below about 2 k, one at E
+        for cache_experts in range(1, E + 1):
+            with self.subTest(cache_experts=cache_experts):
+                torch.manual_seed(0)
+                self._compare(_Model(top_k=3), cache_experts, policy, steps=3, train_steps=1)
+
     @parametrize("cache_experts", [1, 3, E])
     @parametrize("top_k", [1, 2, E])
     def test_exact_top_k(self, cache_experts, top_k):
