@@ -18,10 +18,10 @@ and LFU, prefetch off / router / previous, over training steps:
 
 import copy
 import os
+import sys
 import tempfile
 
 import torch
-from torch import nn
 from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -29,30 +29,12 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-from torch_moe.nn import MoE, MoEConfig
 from torch_moe.nn.expert_store import HostTier, offload_experts, save_experts
 from torch_moe.nn.expert_store._loader import InlineLoader, StreamLoader
 
-E = 8
-
-
-class _Model(nn.Module):
-    """Three MoE layers on a residual stream, one shared expert each."""
-
-    def __init__(self, layers=3):
-        super().__init__()
-        cfg = MoEConfig(dim=32, hidden_dim=16, num_experts=E, top_k=3, num_shared_experts=1)
-        self.layers = nn.ModuleList(MoE(cfg) for _ in range(layers))
-
-    def forward(self, h):
-        for layer in self.layers:
-            h = h + layer(h)
-        return h
-
-
-def _trainable_grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters()
-            if p.grad is not None and ".experts." not in n}
+# the CPU tests' model and gradient helper (test/ is not on the path of a run of test/cuda alone)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_expert_store import E, _Model, _trainable_grads  # noqa: E402
 
 
 class TestExpertStoreDevice(TestCase):
@@ -67,7 +49,7 @@ class TestExpertStoreDevice(TestCase):
     @parametrize("prefetch", [None, "router", "previous"])
     def test_matches_resident(self, device, cache_experts, policy, prefetch):
         torch.manual_seed(0)
-        resident = _Model().to(device)
+        resident = _Model(dim=32, hidden_dim=16, top_k=3, num_shared_experts=1).to(device)
         path = os.path.join(self._dir.name, "experts.safetensors")
         save_experts(resident, path)
         offloaded = copy.deepcopy(resident)
